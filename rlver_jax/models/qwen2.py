@@ -1,0 +1,261 @@
+"""The Qwen2 family (Qwen2 / Qwen2.5, and Llama-architecture checkpoints such as SmolLM2) in Flax NNX.
+
+Shape legend: B batch, T new tokens, S cache slots, W attended window (W <= S), D hidden, H query heads,
+K key/value heads, G = H / K, Dh head dim, F MLP width, V vocabulary, L layers.
+
+Every weight is described once in `param_specs` (shape, logical axes, initializer); the module, the
+sharded init and the checkpoint loader all derive from that table. Layers are stacked along a leading
+L axis and run with `lax.scan`, so compile time does not grow with depth.
+
+Numerics: norms, RoPE, softmax and everything after the LM head run in fp32 (bf16 loses too much
+precision in variance sums, rotation angles and log-probs); matmuls run in `dtype` with fp32 accumulation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rlver_jax.models.presets import Qwen2Config
+from rlver_jax.sharding import constrain
+
+RematPolicy = Literal["none", "full", "dots"]
+Head = Literal["lm", "value"]
+_F32 = jnp.float32
+_MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform row, not NaN
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+  shape: tuple[int, ...]
+  logical_axes: tuple[str, ...]
+  init: Literal["normal", "zeros", "ones"]
+
+
+def param_specs(config: Qwen2Config, head: Head = "lm") -> dict[str, ParamSpec]:
+  """One entry per weight. Keys are attribute paths ("layers.wq"); stacked weights lead with L."""
+  c = config
+  L, D, H, K, Dh, F, V = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                          c.intermediate_size, c.vocab_size)
+  specs = {
+      "embed": ParamSpec((V, D), ("vocab", "embed"), "normal"),
+      "layers.attn_norm": ParamSpec((L, D), ("layers", "norm"), "ones"),
+      "layers.wq": ParamSpec((L, D, H, Dh), ("layers", "embed", "q_heads", "head_dim"), "normal"),
+      "layers.wk": ParamSpec((L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+      "layers.wv": ParamSpec((L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+      "layers.wo": ParamSpec((L, H, Dh, D), ("layers", "q_heads", "head_dim", "embed"), "normal"),
+      "layers.mlp_norm": ParamSpec((L, D), ("layers", "norm"), "ones"),
+      "layers.w_gate": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
+      "layers.w_up": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
+      "layers.w_down": ParamSpec((L, F, D), ("layers", "mlp", "embed"), "normal"),
+      "final_norm": ParamSpec((D,), ("norm",), "ones"),
+  }
+  if c.qkv_bias:
+    specs["layers.bq"] = ParamSpec((L, H, Dh), ("layers", "q_heads", "head_dim"), "zeros")
+    specs["layers.bk"] = ParamSpec((L, K, Dh), ("layers", "kv_heads", "head_dim"), "zeros")
+    specs["layers.bv"] = ParamSpec((L, K, Dh), ("layers", "kv_heads", "head_dim"), "zeros")
+  if head == "lm" and not c.tie_word_embeddings:
+    specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), "normal")
+  if head == "value":
+    specs["value_head"] = ParamSpec((D,), ("embed",), "zeros")
+    specs["value_bias"] = ParamSpec((), (), "zeros")
+  return specs
+
+
+def _init_value(spec: ParamSpec, key: jax.Array, dtype, std: float) -> jax.Array:
+  if spec.init == "ones":
+    return jnp.ones(spec.shape, dtype)
+  if spec.init == "zeros":
+    return jnp.zeros(spec.shape, dtype)
+  return (std * jax.random.normal(key, spec.shape, _F32)).astype(dtype)
+
+
+class _Stacked(nnx.Module):
+  """Holds the L-stacked per-layer weights."""
+
+
+class Qwen2(nnx.Module):
+  """Decoder-only Qwen2-family transformer with an LM head (policy) or a scalar value head (critic).
+
+  `model(input_ids)` returns logits [B, T, V] (fp32) for positions 0..T-1 with a causal mask. Padding:
+  pass `segment_ids` (0 = padding; tokens attend only within their own segment), positions default to
+  the count of real tokens before each token, so left- and right-padded rows give the same logits.
+  """
+
+  def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs, head: Head = "lm",
+               param_dtype=jnp.float32, dtype=jnp.bfloat16, remat: RematPolicy = "none",
+               init_std: float = 0.02):
+    self.config = config
+    self.head = head
+    self.dtype = dtype
+    self.remat = remat
+    self.layers = _Stacked()
+    for path, spec in param_specs(config, head).items():
+      owner, name = (self.layers, path.split(".")[1]) if path.startswith("layers.") else (self, path)
+      value = _init_value(spec, rngs.params(), param_dtype, init_std)
+      setattr(owner, name, nnx.Param(value, logical_axes=spec.logical_axes))
+
+  # -- public entry points -------------------------------------------------------------------------
+
+  def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+    hidden = self.hidden_states(input_ids, positions, segment_ids)
+    return self.logits(hidden) if self.head == "lm" else self.values(hidden)
+
+  def hidden_states(self, input_ids, positions=None, segment_ids=None) -> jax.Array:
+    """Final-norm hidden states [B, T, D] of a full (uncached) forward pass."""
+    B, T = input_ids.shape
+    if segment_ids is None:
+      segment_ids = jnp.ones((B, T), jnp.int32)
+    if positions is None:
+      positions = default_positions(segment_ids)
+    idx = jnp.arange(T)
+    causal = idx[None, :, None] >= idx[None, None, :]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    mask = causal & same & (segment_ids[:, None, :] != 0)
+    x = self._embed(input_ids)
+    x, _ = self._run_layers(x, positions, mask, cache=None)
+    return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
+
+  def cached_hidden_states(self, input_ids, positions, cache_k, cache_v, lengths, window: int):
+    """Runs T new tokens per row after each row's cached `lengths`; returns (hidden, k, v).
+
+    input_ids/positions [B, T] (rows right-padded; padded tokens are written past the row's new length
+    and never attended by real tokens); cache_k/v [L, B, S, K, Dh]. Attention reads only the first
+    `window` (static) cache slots, so its cost follows the filled length, not S.
+    """
+    B, T = input_ids.shape
+    slot = lengths[:, None] + jnp.arange(T)[None, :]                    # [B, T] where each token lands
+    keys = jnp.arange(window)
+    mask = keys[None, None, :] <= slot[:, :, None]                      # causal over the cache window
+    x = self._embed(input_ids)
+    x, (cache_k, cache_v) = self._run_layers(x, positions, mask, cache=(cache_k, cache_v, slot, window))
+    return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps), cache_k, cache_v
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """LM head: [..., D] -> fp32 logits [..., V]."""
+    w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+    out = jnp.einsum("...d,dv->...v", hidden.astype(self.dtype), w.astype(self.dtype),
+                     preferred_element_type=_F32)
+    return constrain(out, ("batch",) + ("seq",) * (out.ndim - 2) + ("act_vocab",))
+
+  def values(self, hidden: jax.Array) -> jax.Array:
+    """Value head: [..., D] -> fp32 scalar values [...]."""
+    return hidden.astype(_F32) @ self.value_head[...].astype(_F32) + self.value_bias[...].astype(_F32)
+
+  # -- internals -----------------------------------------------------------------------------------
+
+  def _embed(self, input_ids):
+    x = jnp.take(self.embed[...], input_ids, axis=0).astype(self.dtype)
+    return constrain(x, ("batch", "seq", "act_embed"))
+
+  def _run_layers(self, x, positions, mask, cache):
+    c = self.config
+    layer_params = {k: v[...] for k, v in vars(self.layers).items() if isinstance(v, nnx.Param)}
+    cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
+    block = functools.partial(_block, config=c, dtype=self.dtype)
+    if self.remat != "none":
+      policy = None if self.remat == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+      block = jax.checkpoint(block, policy=policy)
+
+    if cache is None:
+      def body(h, p):
+        h, _ = block(h, p, cos, sin, mask, None)
+        return h, None
+      x, _ = jax.lax.scan(body, x, layer_params)
+      return x, None
+
+    cache_k, cache_v, slot, window = cache
+
+    def body_cached(carry, p_i):
+      h, ck, cv = carry
+      p, i = p_i
+      h, (ck, cv) = block(h, p, cos, sin, mask, (ck, cv, i, slot, window))
+      return (h, ck, cv), None
+
+    idx = jnp.arange(c.num_layers)
+    (x, cache_k, cache_v), _ = jax.lax.scan(body_cached, (x, cache_k, cache_v), (layer_params, idx))
+    return x, (cache_k, cache_v)
+
+
+def default_positions(segment_ids: jax.Array) -> jax.Array:
+  """0-based index of each token among the real tokens of its row (padding gets 0)."""
+  real = (segment_ids != 0).astype(jnp.int32)
+  return jnp.maximum(jnp.cumsum(real, axis=-1) - 1, 0)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  x32 = x.astype(_F32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * weight.astype(_F32)).astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float):
+  """cos/sin [B, T, Dh/2] in fp32 (angles reach ~1e5 rad; bf16 would scramble them)."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=_F32) / head_dim))
+  angles = positions.astype(_F32)[..., None] * inv_freq
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotate-half RoPE (the Hugging Face Qwen2/Llama convention) on x [B, T, N, Dh]."""
+  x32 = x.astype(_F32)
+  half = x.shape[-1] // 2
+  x1, x2 = x32[..., :half], x32[..., half:]
+  c, s = cos[:, :, None, :], sin[:, :, None, :]
+  return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def _proj(x, w, dtype, spec: str):
+  return jnp.einsum(spec, x, w.astype(dtype), preferred_element_type=_F32).astype(dtype)
+
+
+def _block(x, p, cos, sin, mask, cache, *, config: Qwen2Config, dtype):
+  """One decoder layer. mask [B, T, S_keys]. cache: (k_all, v_all, layer, slot, window) or None."""
+  c = config
+  h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+  q = _proj(h, p["wq"], dtype, "btd,dhk->bthk")
+  k = _proj(h, p["wk"], dtype, "btd,dhk->bthk")
+  v = _proj(h, p["wv"], dtype, "btd,dhk->bthk")
+  if c.qkv_bias:
+    q, k, v = q + p["bq"].astype(dtype), k + p["bk"].astype(dtype), v + p["bv"].astype(dtype)
+  q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "act_heads", None))
+  k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "act_kv_heads", None))
+  v = constrain(v, ("batch", "seq", "act_kv_heads", None))
+  new_cache = None
+  if cache is not None:
+    k_all, v_all, layer, slot, window = cache
+    B = x.shape[0]
+    rows = jnp.arange(B)[:, None]
+    # Out-of-range slots (padding past the preallocated end) are dropped; callers keep real ones in range.
+    k_all = k_all.at[layer, rows, slot].set(k.astype(k_all.dtype), mode="drop")
+    v_all = v_all.at[layer, rows, slot].set(v.astype(v_all.dtype), mode="drop")
+    k = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)[:, :window].astype(dtype)
+    v = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)[:, :window].astype(dtype)
+    new_cache = (k_all, v_all)
+  attn = attention(q, k, v, mask)
+  x = x + _proj(attn, p["wo"], dtype, "bthk,hkd->btd")
+  x = constrain(x, ("batch", "seq", "act_embed"))
+  h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+  gate = _proj(h, p["w_gate"], dtype, "btd,df->btf")
+  up = _proj(h, p["w_up"], dtype, "btd,df->btf")
+  act = constrain(jax.nn.silu(gate.astype(_F32)).astype(dtype) * up, ("batch", "seq", "act_mlp"))
+  x = x + _proj(act, p["w_down"], dtype, "btf,fd->btd")
+  return constrain(x, ("batch", "seq", "act_embed")), new_cache
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """Grouped-query attention. q [B, T, H, Dh], k/v [B, S, K, Dh], mask [B, T, S] -> [B, T, H, Dh]."""
+  B, T, H, Dh = q.shape
+  K = k.shape[2]
+  qg = q.reshape(B, T, K, H // K, Dh)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=_F32) / math.sqrt(Dh)
+  scores = jnp.where(mask[:, None, None], scores, _MASKED)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=_F32)
+  return out.reshape(B, T, H, Dh).astype(q.dtype)

@@ -1,0 +1,116 @@
+"""Device mesh and the one logical-axis -> mesh-axis rules object.
+
+Model, sampler and trainer code name array dimensions with logical axes ("batch", "embed", "q_heads",
+...). `ShardingRules` is the only place that maps those names to the mesh axes ("data", "fsdp",
+"tensor"), so switching between FSDP and tensor parallelism is a change here, nowhere else.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+MeshAxes = str | tuple[str, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Mesh shape; one entry may be -1 to take all remaining devices."""
+  data: int = 1
+  fsdp: int = -1
+  tensor: int = 1
+
+  def resolve(self, num_devices: int) -> tuple[int, int, int]:
+    sizes = [self.data, self.fsdp, self.tensor]
+    if sizes.count(-1) > 1:
+      raise ValueError(f"mesh: at most one axis may be -1, got {self}")
+    known = math.prod(s for s in sizes if s != -1)
+    if any(s == 0 or s < -1 for s in sizes) or num_devices % known:
+      raise ValueError(f"mesh {self} does not divide the {num_devices} available devices")
+    sizes = [num_devices // known if s == -1 else s for s in sizes]
+    if math.prod(sizes) != num_devices:
+      raise ValueError(
+          f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = {math.prod(sizes)} devices, "
+          f"but {num_devices} are available")
+    return tuple(sizes)
+
+
+def make_mesh(config: MeshConfig = MeshConfig(), devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A ("data", "fsdp", "tensor") mesh over `devices` (default: all devices of all processes)."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = config.resolve(len(devices))
+  try:
+    device_array = jax.experimental.mesh_utils.create_device_mesh(shape, devices=devices)
+  except Exception:  # Topologies mesh_utils does not know (fake CPU devices): plain order is fine.
+    device_array = np.asarray(devices).reshape(shape)
+  return Mesh(device_array, MESH_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+  """Maps logical axis names to mesh axes. Unknown names are replicated."""
+  rules: tuple[tuple[str, MeshAxes], ...]
+
+  def mesh_axes(self, logical: str | None) -> MeshAxes:
+    return dict(self.rules).get(logical) if logical else None
+
+  def spec(self, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None,
+           mesh: Mesh | None = None) -> PartitionSpec:
+    """PartitionSpec for an array with these logical axes.
+
+    With `shape` and `mesh`, a mesh axis is dropped from a dimension it does not divide (e.g. 2 KV heads
+    on a 4-way tensor axis are replicated instead), so every preset fits every mesh.
+    """
+    used: set[str] = set()
+    out = []
+    for i, name in enumerate(logical_axes):
+      axes = self.mesh_axes(name)
+      axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+      kept = []
+      for ax in axes:
+        if ax in used:
+          continue
+        if mesh is not None and shape is not None:
+          size = math.prod(mesh.shape[a] for a in kept + [ax])
+          if shape[i] % size:
+            continue
+        kept.append(ax)
+      used.update(kept)
+      out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return PartitionSpec(*out)
+
+  def sharding(self, mesh: Mesh, logical_axes: Sequence[str | None],
+               shape: Sequence[int]) -> NamedSharding:
+    return NamedSharding(mesh, self.spec(logical_axes, shape, mesh))
+
+
+# Params: FSDP over the embedding dimension, tensor parallel over heads / MLP / vocabulary.
+# Activations: batch over data x fsdp, heads over tensor.
+DEFAULT_RULES = ShardingRules((
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+    # Replicated: "layers", "head_dim", "norm", "seq", "cache_seq", "act_embed".
+))
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None],
+              rules: ShardingRules = DEFAULT_RULES) -> jax.Array:
+  """Sharding constraint on an activation; a no-op outside a mesh context (plain single-device use)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return x
+  return jax.lax.with_sharding_constraint(x, rules.spec(logical_axes, x.shape, mesh))

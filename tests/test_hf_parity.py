@@ -1,0 +1,143 @@
+"""load_pretrained against transformers on tiny random checkpoints: logits, padding, causality, sharding."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hf_checkpoints import CASES, make_hf_checkpoint, torch_logits
+from rlver_jax.models import hf_io, load_pretrained
+from rlver_jax.models import safetensors_io as st
+from rlver_jax.models.qwen2 import param_specs
+from rlver_jax.sharding import DEFAULT_RULES, MeshConfig, make_mesh
+
+IDS = np.random.default_rng(0).integers(3, 96, size=(2, 12))
+
+
+@nnx.jit
+def _forward(model, ids, segment_ids):
+  return model(ids, segment_ids=segment_ids)
+
+
+def _logits(model, ids, segment_ids=None):
+  ids = jnp.asarray(ids, jnp.int32)
+  seg = jnp.ones_like(ids) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+  return np.asarray(_forward(model, ids, seg))
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c.id for c in CASES])
+def loaded(request, tmp_path_factory):
+  path = tmp_path_factory.mktemp(request.param.id)
+  torch_model = make_hf_checkpoint(path, **request.param.kwargs)
+  st.reset_read_stats()
+  model, config = load_pretrained(str(path), dtype=jnp.float32)
+  return request.param, path, torch_model, model, config, dict(st.READ_STATS)
+
+
+def test_logits_match_transformers(loaded):
+  case, path, torch_model, model, config, _ = loaded
+  assert config.tie_word_embeddings == case.tied and config.qkv_bias == (case.arch == "qwen2")
+  if case.max_shard_size:
+    assert os.path.exists(path / st.INDEX_FILE)
+  ref = torch_logits(torch_model, IDS)
+  ours = _logits(model, IDS)
+  err = np.abs(ours - ref).max()
+  print(f"{case.id}: max|dlogit| = {err:.2e}, max|logit| = {np.abs(ref).max():.2f}")
+  assert err <= 1e-4 * np.abs(ref).max()
+  np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_peak_read_is_one_tensor(loaded):
+  _, path, _, _, _, stats = loaded
+  table, _ = st.open_checkpoint(str(path))
+  assert stats["reads"] > 0
+  assert stats["max_bytes"] <= max(info.nbytes for info in table.values())
+
+
+def test_padding_invariance(loaded):
+  *_, model, _, _ = loaded
+  row = IDS[:1, :9]
+  ref = _logits(model, row)[0]
+  pad = 3
+  left = np.concatenate([np.zeros((1, pad), int), row], axis=1)
+  left_seg = np.concatenate([np.zeros((1, pad), int), np.ones_like(row)], axis=1)
+  right = np.concatenate([row, np.zeros((1, pad), int)], axis=1)
+  right_seg = np.concatenate([np.ones_like(row), np.zeros((1, pad), int)], axis=1)
+  both = _logits(model, np.concatenate([left, right]), np.concatenate([left_seg, right_seg]))
+  np.testing.assert_allclose(both[0, pad:], ref, atol=1e-5 * np.abs(ref).max())
+  np.testing.assert_allclose(both[1, :9], ref, atol=1e-5 * np.abs(ref).max())
+
+
+def test_causality(loaded):
+  *_, model, _, _ = loaded
+  changed = IDS.copy()
+  changed[:, 7] = (changed[:, 7] + 1) % 96
+  a, b = _logits(model, IDS), _logits(model, changed)
+  np.testing.assert_array_equal(a[:, :7], b[:, :7])
+  assert np.abs(a[:, 7:] - b[:, 7:]).max() > 0
+
+
+def test_sharded_load_matches_single_device(tmp_path):
+  make_hf_checkpoint(tmp_path, arch="qwen2", tied=False, kv_heads=1, std=0.1)
+  mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
+  single, config = load_pretrained(str(tmp_path), dtype=jnp.float32)
+  sharded, _ = load_pretrained(str(tmp_path), dtype=jnp.float32, mesh=mesh)
+  specs = param_specs(config)
+  for path, var in nnx.to_flat_state(nnx.state(sharded, nnx.Param)):
+    key = ".".join(map(str, path))
+    want = DEFAULT_RULES.spec(specs[key].logical_axes, specs[key].shape, mesh)
+    assert var.get_value().sharding.spec == want, key
+    assert var.get_value().sharding.mesh == mesh, key
+  assert any(var.get_value().sharding.spec != jax.sharding.PartitionSpec(*[None] * var.get_value().ndim)
+             for _, var in nnx.to_flat_state(nnx.state(sharded, nnx.Param)))
+  ref = _logits(single, IDS)
+  with jax.set_mesh(mesh):
+    ours = _logits(sharded, IDS)
+  np.testing.assert_allclose(ours, ref, atol=1e-5 * np.abs(ref).max())
+
+
+def test_value_head_loads_backbone(tmp_path):
+  make_hf_checkpoint(tmp_path, arch="llama", tied=False, kv_heads=2)
+  lm, _ = load_pretrained(str(tmp_path), dtype=jnp.float32)
+  critic, _ = load_pretrained(str(tmp_path), dtype=jnp.float32, head="value")
+  assert not hasattr(critic, "lm_head")
+  np.testing.assert_array_equal(np.asarray(critic.value_head[...]), 0)
+  ids = jnp.asarray(IDS, jnp.int32)
+  np.testing.assert_allclose(np.asarray(critic.hidden_states(ids)), np.asarray(lm.hidden_states(ids)))
+  assert critic(ids).shape == IDS.shape
+
+
+def test_bf16_params(tmp_path):
+  make_hf_checkpoint(tmp_path, arch="qwen2", tied=True, kv_heads=2)
+  model, _ = load_pretrained(str(tmp_path))  # default: bf16 params and compute
+  assert model.layers.wq[...].dtype == jnp.bfloat16 and model.embed[...].dtype == jnp.bfloat16
+  assert np.isfinite(_logits(model, IDS)).all()
+
+
+def test_errors_name_file_and_tensor(tmp_path):
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    load_pretrained(str(tmp_path / "nowhere"))
+  make_hf_checkpoint(tmp_path, arch="llama", tied=False, kv_heads=2)
+  # Missing tensor: drop one layer's k_proj from the file by rewriting it without that entry.
+  table, listing = st.open_checkpoint(str(tmp_path))
+  dropped = "model.layers.1.self_attn.k_proj.weight"
+  keep = [n for n in table if n != dropped]
+  entries = [st.Entry(n, table[n].dtype, table[n].shape) for n in keep]
+  arrays = [st.read_tensor(table[n], n).copy() for n in keep]
+  st.write_file(listing, entries, arrays)
+  with pytest.raises(hf_io.CheckpointError, match=rf"model\.safetensors: tensor {dropped} is missing"):
+    load_pretrained(str(tmp_path), dtype=jnp.float32)
+  # Shape mismatch: config.json claims a wider MLP than the file holds.
+  make_hf_checkpoint(tmp_path, arch="llama", tied=False, kv_heads=2)
+  cfg = json.loads((tmp_path / "config.json").read_text())
+  cfg["intermediate_size"] += 8
+  (tmp_path / "config.json").write_text(json.dumps(cfg))
+  gate = r"tensor model\.layers\.0\.mlp\.gate_proj\.weight has shape"
+  with pytest.raises(hf_io.CheckpointError, match=gate):
+    load_pretrained(str(tmp_path), dtype=jnp.float32)
+  os.remove(tmp_path / "config.json")
+  with pytest.raises(FileNotFoundError, match=r"config\.json: missing"):
+    load_pretrained(str(tmp_path), dtype=jnp.float32)

@@ -1,0 +1,113 @@
+r"""Chat with or generate from a checkpoint on the KV-cached sampler.
+
+  python -m rlver_jax.generate --chat --prompt="How do I calm down before an exam?"
+  python -m rlver_jax.generate --checkpoint=DIR --prompt=TEXT --temperature=0 --output_json=out.json
+  python -m rlver_jax.generate --chat --interactive
+
+The default checkpoint is the embedded SmolLM2-135M-Instruct. `--temperature=0` is greedy.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from flax import nnx
+
+from rlver_jax.models import load_pretrained
+from rlver_jax.models.presets import param_dtype_of
+from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
+from rlver_jax.sampling.sampler import Sampler
+from rlver_jax.sampling.strategies import SamplingParams
+
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "HF safetensors directory (default: embedded model).")
+_PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (the first user turn with --chat).")
+_SYSTEM = flags.DEFINE_string("system", None, "System prompt with --chat (default: the template's own).")
+_CHAT = flags.DEFINE_bool("chat", False, "Render the prompt with the checkpoint's chat template.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Most tokens generated per reply.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.7, "Sampling temperature; 0 means greedy.")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus mass (1 = off).")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k (0 = off).")
+_SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
+_BATCH = flags.DEFINE_integer("batch_size", 1, "Independent samples of the same prompt.")
+_OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Write prompt/generated ids, text and log-probs.")
+_INTERACTIVE = flags.DEFINE_bool("interactive", False, "Terminal chat; the KV cache persists across turns.")
+_MAX_LEN = flags.DEFINE_integer("max_len", 2048, "KV cache slots per row (prompt + all turns).")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Param and compute dtype.")
+
+
+def _prompt_ids(chat: ChatTokens, text: str, system: str | None, use_chat: bool) -> list[int]:
+  if not use_chat:
+    return chat.encode(text)
+  messages = ([{"role": "system", "content": system}] if system is not None else [])
+  messages.append({"role": "user", "content": text})
+  return chat.conversation(messages, add_generation_prompt=True)
+
+
+def _interactive(sampler: Sampler, params, chat: ChatTokens, system: str | None, sp, rng):
+  cache = sampler.init_cache(1)
+  first = True
+  logits = None
+  while True:
+    try:
+      text = input("you> ")
+    except EOFError:
+      return
+    if text.strip() in ("/exit", "/quit"):
+      return
+    if first:
+      ids = _prompt_ids(chat, text, system, use_chat=True)
+      cache, logits = sampler.prefill(params, cache, [ids])
+      first = False
+    else:
+      ids = chat.encode("\n") + chat.message("user", text) + chat.generation_header()
+      cache, logits = sampler.append(params, cache, [ids])
+    rng, key = jax.random.split(rng)
+    res = sampler.decode(params, cache, logits, rng=key, max_new_tokens=_MAX_NEW.value, sampling=sp)
+    cache = res.cache
+    reply = res.row(0)
+    print("bot>", chat.decode(reply, skip_special_tokens=True).strip(), flush=True)
+    if not reply or reply[-1] not in chat.stop_ids:  # cut by the budget: close the turn ourselves
+      cache, logits = sampler.append(params, cache, [[chat.im_end]])
+
+
+def main(argv):
+  del argv
+  checkpoint = _CHECKPOINT.value
+  if checkpoint is None:
+    from rlver_jax.models.embedded import embedded_model_dir
+    checkpoint = embedded_model_dir()
+  if _PROMPT.value is None and not _INTERACTIVE.value:
+    raise app.UsageError("--prompt is required (or use --interactive)")
+  dtype = param_dtype_of(_DTYPE.value)
+  model, _ = load_pretrained(checkpoint, dtype=dtype)
+  chat = ChatTokens(load_tokenizer(checkpoint))
+  sampler = Sampler(model, max_len=_MAX_LEN.value, stop_ids=chat.stop_ids, pad_id=chat.pad_id)
+  params = nnx.state(model)
+  sp = SamplingParams.make(_TEMPERATURE.value, _TOP_P.value, _TOP_K.value)
+  rng = jax.random.key(_SEED.value)
+  if _INTERACTIVE.value:
+    _interactive(sampler, params, chat, _SYSTEM.value, sp, rng)
+    return
+  ids = _prompt_ids(chat, _PROMPT.value, _SYSTEM.value, _CHAT.value)
+  batch = _BATCH.value
+  cache, logits = sampler.prefill(params, sampler.init_cache(batch), [ids] * batch)
+  res = sampler.decode(params, cache, logits, rng=rng, max_new_tokens=_MAX_NEW.value, sampling=sp)
+  rows = [res.row(b) for b in range(batch)]
+  texts = [chat.decode(r, skip_special_tokens=True) for r in rows]
+  for b, text in enumerate(texts):
+    prefix = f"[{b}] " if batch > 1 else ""
+    print(prefix + text.strip())
+  if _OUTPUT_JSON.value:
+    out = {"prompt_token_ids": [ids] * batch, "token_ids": rows, "text": texts,
+           "logprobs": [res.model_logp[b, : len(r)].tolist() for b, r in enumerate(rows)]}
+    with open(_OUTPUT_JSON.value, "w") as f:
+      json.dump(out, f, ensure_ascii=False)
+  sys.stdout.flush()
+
+
+if __name__ == "__main__":
+  jax.config.update("jax_platforms", jax.config.jax_platforms or "")
+  app.run(main)

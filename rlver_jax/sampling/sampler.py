@@ -1,0 +1,197 @@
+"""On-device KV-cached sampling for multi-turn dialogues: prefill, append and a while-loop decode.
+
+Shapes: B rows, T appended tokens (bucketed), N max new tokens, V vocabulary, W attended cache window.
+
+The multi-turn primitive is `append`: new tokens (a user turn, an instruction) go right after each
+row's own cache length; nothing already cached is recomputed. `prefill` is an append onto an emptied
+cache. `decode` runs one jitted `lax.while_loop` until every row has hit a stop id or its budget; the
+generated tokens, stop token included, are in the cache afterwards, so the next turn just appends.
+
+Static shapes keep compiles bounded: appended lengths are padded to `append_buckets`, and attention
+reads only a window of the cache bucketed to a power of two >= the longest row, so cost follows the
+filled length rather than the preallocated maximum. Sampling settings are traced (never recompile).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from rlver_jax.models.qwen2 import Qwen2
+from rlver_jax.sampling.kv_cache import KVCache
+from rlver_jax.sampling.strategies import SamplingParams, sample
+from rlver_jax.sharding import DEFAULT_RULES
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+  for b in buckets:
+    if n <= b:
+      return b
+  raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
+
+
+def window_buckets(max_len: int, min_window: int = 64) -> tuple[int, ...]:
+  out, w = [], min_window
+  while w < max_len:
+    out.append(w)
+    w *= 2
+  return tuple(out) + (max_len,)
+
+
+@dataclasses.dataclass
+class DecodeResult:
+  tokens: np.ndarray        # [B, N] int32; pad_id after a row's last token
+  num_tokens: np.ndarray    # [B] generated tokens per row (stop token included)
+  sample_logp: np.ndarray   # [B, N] log-prob under the sampling distribution (0 for greedy)
+  model_logp: np.ndarray    # [B, N] log-prob under the raw model (T=1, no truncation)
+  stopped: np.ndarray       # [B] True where the row ended on a stop id (False: budget/cache full)
+  cache: KVCache
+
+  def row(self, b: int) -> list[int]:
+    return self.tokens[b, : self.num_tokens[b]].tolist()
+
+
+def _host(x) -> np.ndarray:
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _append_fn(graphdef, params, cache: KVCache, tokens_BxT, num_new_B, prev_logits_BxV, *, window):
+  model: Qwen2 = nnx.merge(graphdef, params)
+  T = tokens_BxT.shape[1]
+  positions = cache.lengths[:, None] + jnp.arange(T)[None, :]
+  hidden, k, v = model.cached_hidden_states(tokens_BxT, positions, cache.k, cache.v, cache.lengths,
+                                            window)
+  last = jnp.take_along_axis(hidden, jnp.maximum(num_new_B - 1, 0)[:, None, None], axis=1)[:, 0]
+  logits = model.logits(last)
+  logits = jnp.where((num_new_B > 0)[:, None], logits, prev_logits_BxV)
+  return KVCache(k, v, cache.lengths + num_new_B), logits
+
+
+def _decode_fn(graphdef, params, cache: KVCache, logits_BxV, active_B, budget_B, stop_ids, rng,
+               sampling: SamplingParams, *, window, max_new, pad_id):
+  model: Qwen2 = nnx.merge(graphdef, params)
+  B = logits_BxV.shape[0]
+  zeros_f = jnp.zeros((B, max_new), jnp.float32)
+
+  def cond(s):
+    return (s["i"] < max_new) & ~jnp.all(s["done"])
+
+  def body(s):
+    tok, slp, mlp = sample(s["logits"], jax.random.fold_in(rng, s["i"]), sampling)
+    live = ~s["done"]
+    tok = jnp.where(live, tok, pad_id)
+    col = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x[:, None].astype(buf.dtype),
+                                                            s["i"], axis=1)
+    lengths = s["lengths"]
+    hidden, k, v = model.cached_hidden_states(tok[:, None], lengths[:, None], s["k"], s["v"], lengths,
+                                              window)
+    count = s["count"] + live
+    is_stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1) & live
+    return dict(
+        i=s["i"] + 1, k=k, v=v, lengths=lengths + live, logits=model.logits(hidden[:, 0]),
+        count=count, done=s["done"] | is_stop | (count >= budget_B), stopped=s["stopped"] | is_stop,
+        tokens=col(s["tokens"], tok), slp=col(s["slp"], jnp.where(live, slp, 0.0)),
+        mlp=col(s["mlp"], jnp.where(live, mlp, 0.0)))
+
+  init = dict(i=jnp.int32(0), k=cache.k, v=cache.v, lengths=cache.lengths, logits=logits_BxV,
+              count=jnp.zeros((B,), jnp.int32), done=~active_B | (budget_B <= 0),
+              stopped=jnp.zeros((B,), bool), tokens=jnp.full((B, max_new), pad_id, jnp.int32),
+              slp=zeros_f, mlp=zeros_f)
+  s = jax.lax.while_loop(cond, body, init)
+  return KVCache(s["k"], s["v"], s["lengths"]), s["tokens"], s["count"], s["slp"], s["mlp"], s["stopped"]
+
+
+class Sampler:
+  """Runs a Qwen2 model's prefill / append / decode programs on a KV cache of `max_len` slots.
+
+  Params are passed to every call (the live training params; nothing is copied), so the same
+  sampler serves a policy whose weights change between rollouts.
+  """
+
+  def __init__(self, model: Qwen2, *, max_len: int, stop_ids: Sequence[int], pad_id: int = 0,
+               append_buckets: Sequence[int] = (16, 64, 256, 1024), min_window: int = 64,
+               mesh: jax.sharding.Mesh | None = None, cache_dtype=None):
+    self.graphdef = nnx.graphdef(model)
+    self.config = model.config
+    self.max_len = max_len
+    self.stop_ids = jnp.asarray(list(stop_ids), jnp.int32)
+    self.pad_id = pad_id
+    self.append_buckets = tuple(sorted(append_buckets))
+    self.windows = window_buckets(max_len, min_window)
+    self.mesh = mesh
+    self.cache_dtype = cache_dtype or model.dtype
+    self._zeros = {}
+    self._append = jax.jit(_append_fn, static_argnames=("graphdef", "window"), donate_argnums=(2,))
+    self._decode = jax.jit(_decode_fn, static_argnames=("graphdef", "window", "max_new", "pad_id"),
+                           donate_argnums=(2,))
+
+  def init_cache(self, batch: int) -> KVCache:
+    return KVCache.allocate(self.config, batch, self.max_len, self.cache_dtype, self.mesh)
+
+  def empty_logits(self, batch: int) -> jax.Array:
+    if batch not in self._zeros:
+      shape = (batch, self.config.vocab_size)
+      if self.mesh is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      else:
+        sharding = DEFAULT_RULES.sharding(self.mesh, ("batch", "act_vocab"), shape)
+      self._zeros[batch] = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sharding)
+    return self._zeros[batch]()
+
+  def prefill(self, params, cache: KVCache, rows: Sequence[Sequence[int]]):
+    """Empties the cache and fills each row with its own tokens. Returns (cache, last logits [B, V])."""
+    return self.append(params, cache.with_lengths(jnp.zeros_like(cache.lengths)), rows)
+
+  def append(self, params, cache: KVCache, rows: Sequence[Sequence[int]], prev_logits=None):
+    """Appends rows[b] after row b's cached tokens (an empty list leaves the row untouched).
+
+    Returns (cache, logits [B, V] at each row's last token; rows without new tokens keep prev_logits).
+    Inputs longer than the largest bucket go in several chunks.
+    """
+    B = cache.batch_size
+    if len(rows) != B:
+      raise ValueError(f"append got {len(rows)} rows for a cache of batch {B}")
+    lengths = _host(cache.lengths)
+    new = np.array([len(r) for r in rows])
+    over = np.nonzero(lengths + new > self.max_len)[0]
+    if over.size:
+      b = int(over[0])
+      raise ValueError(f"row {b}: {lengths[b]} cached + {new[b]} new tokens exceed the cache length "
+                       f"{self.max_len}")
+    logits = self.empty_logits(B) if prev_logits is None else prev_logits
+    chunk = self.append_buckets[-1]
+    for start in range(0, max(int(new.max()), 1), chunk):
+      part = [list(r[start:start + chunk]) for r in rows]
+      n = np.array([len(p) for p in part], np.int32)
+      T = bucket(max(int(n.max()), 1), self.append_buckets)
+      tokens = np.full((B, T), self.pad_id, np.int32)
+      for b, p in enumerate(part):
+        tokens[b, : len(p)] = p
+      window = bucket(int((lengths + n).max()), self.windows)
+      cache, logits = self._append(self.graphdef, params, cache, jnp.asarray(tokens), jnp.asarray(n),
+                                   logits, window=window)
+      lengths = lengths + n
+    return cache, logits
+
+  def decode(self, params, cache: KVCache, logits, *, rng: jax.Array, max_new_tokens: int,
+             sampling: SamplingParams | None = None, active: Sequence[bool] | None = None,
+             budget: Sequence[int] | None = None) -> DecodeResult:
+    """Samples up to max_new_tokens per active row, stopping each row at a stop id or its budget."""
+    B = cache.batch_size
+    sampling = sampling or SamplingParams.make()
+    lengths = _host(cache.lengths)
+    active = np.ones(B, bool) if active is None else np.asarray(active, bool)
+    budget = np.full(B, max_new_tokens) if budget is None else np.minimum(budget, max_new_tokens)
+    budget = np.minimum(budget, self.max_len - lengths).astype(np.int32)  # never write past the cache
+    window = bucket(int(max((lengths + np.where(active, budget, 0)).max(), 1)), self.windows)
+    out = self._decode(self.graphdef, params, cache, logits, jnp.asarray(active), jnp.asarray(budget),
+                       self.stop_ids, rng, sampling, window=window, max_new=max_new_tokens,
+                       pad_id=self.pad_id)
+    cache, tokens, count, slp, mlp, stopped = out
+    return DecodeResult(tokens=_host(tokens), num_tokens=_host(count), sample_logp=_host(slp),
+                        model_logp=_host(mlp), stopped=_host(stopped), cache=cache)

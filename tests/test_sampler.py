@@ -1,0 +1,221 @@
+"""Sampler invariants: HF greedy parity, cached == full forward, append == re-prefill, compile counts,
+sampling distributions, and mesh independence."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hf_checkpoints import make_hf_checkpoint
+from rlver_jax.models import load_pretrained
+from rlver_jax.sampling.sampler import Sampler, window_buckets
+from rlver_jax.sampling.strategies import SamplingParams, filter_logits, sample
+from rlver_jax.sharding import MeshConfig, make_mesh
+
+EOS = 5
+GREEDY = SamplingParams.make(temperature=0.0)
+PROMPTS = [[3, 4, 8, 9, 10, 11, 12, 40, 41], [7, 8, 9], [20, 21, 22, 23, 24], [60]]
+
+
+@pytest.fixture(scope="module", params=[dict(arch="qwen2"), dict(arch="llama", tied=True, kv_heads=1)],
+                ids=["qwen2", "llama-tied-mqa"])
+def checkpoint(request, tmp_path_factory):
+  path = tmp_path_factory.mktemp("ckpt")
+  torch_model = make_hf_checkpoint(path, std=0.3, eos=EOS, **request.param)
+  model, _ = load_pretrained(str(path), dtype=jnp.float32)
+  return torch_model, model
+
+
+def _sampler(model, **kw):
+  kw.setdefault("max_len", 96)
+  return Sampler(model, stop_ids=[EOS], pad_id=0, append_buckets=(8, 32), min_window=32, **kw)
+
+
+def test_greedy_matches_transformers_generate(checkpoint):
+  import torch
+  torch_model, model = checkpoint
+  sampler = _sampler(model)
+  params = nnx.state(model)
+  cache, logits = sampler.prefill(params, sampler.init_cache(len(PROMPTS)), PROMPTS)
+  res = sampler.decode(params, cache, logits, rng=jax.random.key(0), max_new_tokens=24, sampling=GREEDY)
+  for b, prompt in enumerate(PROMPTS):
+    with torch.no_grad():
+      ref = torch_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                 eos_token_id=EOS, pad_token_id=0)[0, len(prompt):].tolist()
+    assert res.row(b) == ref
+    assert res.num_tokens[b] == len(ref)
+    assert res.stopped[b] == (ref[-1] == EOS)
+
+
+def _full_logprobs(model, tokens):
+  logits = model(jnp.asarray([tokens]))[0]
+  return np.asarray(jax.nn.log_softmax(logits, axis=-1))
+
+
+def test_cached_steps_equal_full_forward(checkpoint):
+  _, model = checkpoint
+  sampler = _sampler(model)
+  params = nnx.state(model)
+  # Token by token through append: the logits at every step equal the uncached forward's.
+  seq = [3, 17, 29, 4, 55, 9, 81, 2, 33, 70]
+  full = np.asarray(model(jnp.asarray([seq]))[0])
+  cache = sampler.init_cache(1)
+  for t, tok in enumerate(seq):
+    cache, logits = sampler.append(params, cache, [[tok]])
+    np.testing.assert_allclose(np.asarray(logits[0]), full[t], atol=2e-5, rtol=1e-5)
+  # And the decode loop's raw log-probs equal the uncached log-softmax at every generated token.
+  cache, logits = sampler.prefill(params, sampler.init_cache(2), PROMPTS[:2])
+  res = sampler.decode(params, cache, logits, rng=jax.random.key(3), max_new_tokens=12,
+                       sampling=SamplingParams.make(temperature=1.0))
+  for b in range(2):
+    gen = res.row(b)
+    lp = _full_logprobs(model, PROMPTS[b] + gen)
+    want = [lp[len(PROMPTS[b]) - 1 + i, tok] for i, tok in enumerate(gen)]
+    np.testing.assert_allclose(res.model_logp[b, : len(gen)], want, atol=1e-4)
+    # At T=1 with no truncation the sampling distribution is the model's.
+    np.testing.assert_allclose(res.sample_logp[b, : len(gen)], want, atol=1e-4)
+
+
+def test_append_equals_reprefill(checkpoint):
+  _, model = checkpoint
+  params = nnx.state(model)
+  a = [[3, 4, 8, 9], [7, 8, 9, 10, 11, 12, 13]]
+  b = [[30, 31, 32], [44]]
+  sp = SamplingParams.make(temperature=0.8, top_p=0.9, top_k=20)
+  s1 = _sampler(model)
+  cache, logits = s1.prefill(params, s1.init_cache(2), a)
+  r1 = s1.decode(params, cache, logits, rng=jax.random.key(1), max_new_tokens=6, sampling=sp)
+  cache, logits = s1.append(params, r1.cache, b)
+  r2 = s1.decode(params, cache, logits, rng=jax.random.key(2), max_new_tokens=8, sampling=sp)
+
+  s2 = _sampler(model)
+  whole = [a[i] + r1.row(i) + b[i] for i in range(2)]
+  cache, logits = s2.prefill(params, s2.init_cache(2), whole)
+  r3 = s2.decode(params, cache, logits, rng=jax.random.key(2), max_new_tokens=8, sampling=sp)
+  for i in range(2):
+    assert r2.row(i) == r3.row(i)
+  np.testing.assert_allclose(r2.sample_logp, r3.sample_logp, atol=1e-4)
+  np.testing.assert_allclose(r2.model_logp, r3.model_logp, atol=1e-4)
+  np.testing.assert_array_equal(np.asarray(r2.cache.lengths), np.asarray(r3.cache.lengths))
+
+
+class CompileCounter:
+  """Counts XLA backend compilations (not Python-level cache entries)."""
+
+  def __init__(self):
+    self.count = 0
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+  def _on_event(self, event, duration, **kw):
+    if event == "/jax/core/compile/backend_compile_duration":
+      self.count += 1
+
+
+def test_no_recompiles_after_warmup(checkpoint):
+  _, model = checkpoint
+  params = nnx.state(model)
+  sampler = _sampler(model, max_len=128)
+  rng = np.random.RandomState(0)
+  cache = sampler.init_cache(2)
+  counter = CompileCounter()
+  windows = window_buckets(128, 32)
+  fit = lambda n: min(w for w in windows if w >= n)
+  seen, before = set(), counter.count
+  for turn in range(6):
+    n = [int(rng.randint(1, 8)), int(rng.randint(1, 8))]  # always the 8-token bucket
+    rows = [rng.randint(6, 100, size=k).tolist() for k in n]
+    lengths = np.asarray(cache.lengths)
+    programs = {("append", fit(int((lengths + n).max()))), ("decode", fit(int((lengths + n).max()) + 4))}
+    cache, logits = sampler.append(params, cache, rows)
+    res = sampler.decode(params, cache, logits, rng=jax.random.key(turn), max_new_tokens=4,
+                         sampling=SamplingParams.make(temperature=0.5 + 0.1 * turn, top_k=turn))
+    cache = res.cache
+    new = programs - seen
+    seen |= programs
+    # A program compiles once per attention window; new turn lengths inside the 8-token bucket
+    # and new sampling settings compile nothing.
+    if turn > 0:
+      assert counter.count - before == len(new), (turn, new, counter.count - before)
+    before = counter.count
+  assert len(seen) >= 3  # the test did cross a window boundary
+
+
+def test_topk1_equals_greedy():
+  logits = jax.random.normal(jax.random.key(0), (16, 50)) * 3
+  tok, slp, _ = sample(logits, jax.random.key(1), SamplingParams.make(temperature=1.3, top_k=1))
+  np.testing.assert_array_equal(np.asarray(tok), np.asarray(jnp.argmax(logits, -1)))
+  np.testing.assert_allclose(np.asarray(slp), 0.0, atol=1e-6)
+
+
+def test_temperature_one_matches_softmax_chi_square():
+  from scipy import stats
+  logits = jnp.array([1.0, 0.2, -0.5, 2.0, 0.0, -1.5])
+  n = 20000
+  keys = jax.random.split(jax.random.key(7), n)
+  toks = jax.vmap(lambda k: sample(logits[None], k, SamplingParams.make(1.0))[0][0])(keys)
+  counts = np.bincount(np.asarray(toks), minlength=6)
+  expected = np.asarray(jax.nn.softmax(logits)) * n
+  chi2, p = stats.chisquare(counts, expected)
+  assert p > 0.01, (counts, expected, chi2)
+
+
+def test_top_p_keeps_exactly_the_nucleus():
+  probs = np.array([0.05, 0.4, 0.25, 0.2, 0.1])
+  logits = jnp.log(jnp.asarray(probs))[None]
+  # Sorted: 0.4, 0.25, 0.2, 0.1, 0.05. Mass before each: 0, .4, .65, .85, .95.
+  for top_p, kept in [(0.3, {1}), (0.5, {1, 2}), (0.65, {1, 2}), (0.7, {1, 2, 3}), (0.9, {1, 2, 3, 4}),
+                      (1.0, {0, 1, 2, 3, 4})]:
+    out = np.asarray(filter_logits(logits, jnp.int32(0), jnp.float32(top_p)))[0]
+    assert set(np.nonzero(out > -1e29)[0]) == kept, top_p
+  out = np.asarray(filter_logits(logits, jnp.int32(2), jnp.float32(1.0)))[0]
+  assert set(np.nonzero(out > -1e29)[0]) == {1, 2}
+  # Sampled tokens never leave the nucleus, and their log-probs are renormalised inside it.
+  keys = jax.random.split(jax.random.key(0), 2000)
+  toks, slp, mlp = jax.vmap(lambda k: sample(logits, k, SamplingParams.make(1.0, top_p=0.5)))(keys)
+  assert set(np.asarray(toks).ravel()) == {1, 2}
+  np.testing.assert_allclose(np.asarray(slp[toks == 1]), np.log(0.4 / 0.65), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(mlp[toks == 1]), np.log(0.4), atol=1e-5)
+
+
+def test_budget_and_inactive_rows(checkpoint):
+  _, model = checkpoint
+  params = nnx.state(model)
+  sampler = _sampler(model)
+  cache, logits = sampler.prefill(params, sampler.init_cache(3), PROMPTS[:3])
+  before = np.asarray(cache.lengths)
+  res = sampler.decode(params, cache, logits, rng=jax.random.key(0), max_new_tokens=10,
+                       sampling=SamplingParams.make(1.0), active=[True, False, True], budget=[3, 10, 10])
+  assert res.num_tokens[0] <= 3 and res.num_tokens[1] == 0
+  np.testing.assert_array_equal(np.asarray(res.cache.lengths), before + res.num_tokens)
+  assert (res.tokens[1] == 0).all()
+
+
+def test_mesh_gives_single_device_results(tmp_path):
+  make_hf_checkpoint(tmp_path, std=0.3, eos=EOS, heads=4, kv_heads=2, hidden=64)
+  model1, _ = load_pretrained(str(tmp_path), dtype=jnp.float32)
+  mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+  model8, _ = load_pretrained(str(tmp_path), dtype=jnp.float32, mesh=mesh)
+  prompts = PROMPTS  # 4 rows: divisible by data x fsdp
+  results = []
+  for model, m in [(model1, None), (model8, mesh)]:
+    sampler = _sampler(model, mesh=m)
+    params = nnx.state(model)
+    with jax.set_mesh(mesh) if m is not None else _null():
+      cache, logits = sampler.prefill(params, sampler.init_cache(4), prompts)
+      if m is not None:
+        assert cache.k.sharding.spec[1] == ("data", "fsdp")
+        assert cache.k.sharding.spec[3] == "tensor"
+      res = sampler.decode(params, cache, logits, rng=jax.random.key(5), max_new_tokens=10,
+                           sampling=SamplingParams.make(0.9, top_p=0.95))
+    results.append(res)
+  a, b = results
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_allclose(a.model_logp, b.model_logp, atol=1e-4)
+
+
+class _null:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *a):
+    return False

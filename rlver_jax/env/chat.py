@@ -1,0 +1,155 @@
+"""Policy side of a dialogue: system prompts, parsing of policy output, goodbye detection."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+# --- System prompts -----------------------------------------------------------------------------
+
+_PROMPTS: dict[tuple[bool, str], str] = {
+    (True, "en"): (
+        "You are chatting with someone who has come to you because something is on their mind. "
+        "Your aim is that, as the conversation goes on, they feel better and closer to you.\n\n"
+        "Before each reply, think it over between <think> and </think>: what this person really "
+        "wants from the talk, how they feel right now, and what you will say and in what manner. "
+        "After </think>, write only the message they will read.\n\n"
+        "That message should sound warm, relaxed and natural, like a good friend texting back: "
+        "everyday words, no lecturing, no lists or headings, and not too long."
+    ),
+    (False, "en"): (
+        "You are chatting with someone who has come to you because something is on their mind. "
+        "Your aim is to lift their mood and make them feel closer to you.\n\n"
+        "Reply straight away with a short, warm, casual message, the way a good friend would "
+        "text back. Do not write out any reasoning, do not use lists or headings, and do not "
+        "add tags or a speaker name."
+    ),
+    (True, "zh"): (
+        "你正在和一位有心事、想找人聊聊的朋友对话。你的目标是让对方在聊天过程中心情慢慢变好，"
+        "也和你更亲近。\n\n"
+        "每次回复之前，先在<think>和</think>之间想一想：对方这次聊天真正想要的是什么，此刻是什么感受，"
+        "你准备说些什么、用什么方式说。</think>之后只写对方会看到的那条消息。\n\n"
+        "这条消息要温暖、随意、自然，像好朋友回微信一样口语化：不说教，不用列表或标题，也不要太长。"
+    ),
+    (False, "zh"): (
+        "你正在和一位有心事、想找人聊聊的朋友对话。你的目标是让对方心情变好，也和你更亲近。\n\n"
+        "请直接回复一条简短、温暖、随意的消息，像好朋友回微信那样自然口语化。"
+        "不要写出思考过程，不要用列表或标题，也不要加任何标签或说话人前缀。"
+    ),
+}
+
+
+def policy_system_prompt(think: bool, language: str) -> str:
+  """The policy's system prompt for think / no-think mode in "en" or "zh"."""
+  try:
+    return _PROMPTS[(bool(think), language)]
+  except KeyError:
+    raise ValueError(f"unsupported language {language!r}; expected 'en' or 'zh'") from None
+
+
+# --- Parsing policy output ----------------------------------------------------------------------
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+STOP_MARKERS: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")
+
+# Speaker names a chat model tends to put in front of its reply; matched only at the very start.
+_SPEAKER_LABEL = re.compile(
+    r"^\s*(?:\*\*)?(?:assistant|ai|me|bot|npc|reply|response|助手|AI助手|我|回复|回答)"
+    r"(?:\*\*)?\s*[:：]\s*(?:\*\*)?",
+    re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyTurn:
+  """One parsed policy turn: optional thought, the visible reply, and whether the format held."""
+  thought: str | None
+  reply: str
+  format_ok: bool
+
+
+def strip_stop(text: str) -> str:
+  """Cuts the text at the first stop marker; anything decoded past one is not part of the turn."""
+  cut = min((i for i in (text.find(m) for m in STOP_MARKERS) if i >= 0), default=len(text))
+  return text[:cut]
+
+
+def strip_speaker_label(text: str) -> str:
+  """Removes one leading "Assistant:"-style label (ASCII or full-width colon)."""
+  return _SPEAKER_LABEL.sub("", text, count=1).strip()
+
+
+def _last_thought(text: str) -> str | None:
+  close = text.rfind(THINK_CLOSE)
+  if close < 0:
+    return None
+  open_ = text.rfind(THINK_OPEN, 0, close)
+  if open_ < 0:
+    return None
+  return text[open_ + len(THINK_OPEN):close].strip()
+
+
+def parse_policy_output(text: str, think: bool) -> PolicyTurn:
+  """Splits raw policy text into thought and visible reply, and checks the expected format."""
+  text = strip_stop(text)
+  close = text.rfind(THINK_CLOSE)
+  visible = text[close + len(THINK_CLOSE):] if close >= 0 else text
+  reply = strip_speaker_label(visible.strip())
+  thought = _last_thought(text)
+  n_open, n_close = text.count(THINK_OPEN), text.count(THINK_CLOSE)
+  if think:
+    format_ok = (text.lstrip().startswith(THINK_OPEN) and n_open == 1 and n_close == 1
+                 and bool(thought) and bool(reply))
+  else:
+    format_ok = n_open == 0 and n_close == 0 and bool(reply)
+  return PolicyTurn(thought=thought, reply=reply, format_ok=format_ok)
+
+
+# --- Goodbye detection --------------------------------------------------------------------------
+
+_ZH_GOODBYE = re.compile(r"再见|拜拜")
+
+# Farewell words and phrases as whole words; ASCII-letter guards instead of \b so that "bye"
+# glued to Chinese text ("好的bye") still counts while "byes" / "bystander" do not.
+_EN_FAREWELL = re.compile(
+    r"(?<![A-Za-z])(?:good[\s-]?bye|bye(?:[\s-]?bye)?|byebye|farewell|see\s+(?:you|ya)|"
+    r"catch\s+you\s+later|talk\s+(?:to\s+you\s+)?(?:later|soon)|take\s+care)(?![A-Za-z])",
+    re.IGNORECASE)
+# Describing a farewell ("I said goodbye to him", "a farewell party") is not saying one.
+_REPORTED_BEFORE = re.compile(
+    r"\b(?:said|says|saying|wave|waved|waving|kiss|kissed|a|the|my|his|her|their|our)"
+    r"\s+$", re.IGNORECASE)
+_NOT_FAREWELL_AFTER = re.compile(
+    r"^(?:\s+(?:to|party|parties|gift|card|letter|hug|kiss|message|note|speech|dinner|lunch|"
+    r"drinks|tour|week)\b|['’]\w)", re.IGNORECASE)
+# "see you" / "take care" / "talk later" are also ordinary phrases ("I see you care", "take care
+# of it", "talk later with my boss"), so they only count before punctuation, an emoji, the end of
+# the text or a time word.
+_CLAUSE_END_AFTER = re.compile(
+    r"^(?:\s*(?:[^\w\s]|$)|\s+(?:later|soon|tomorrow|around|again|then|next|another|"
+    r"sometime|in\s+a\s+(?:bit|while)|on\s+\w+day)\b)", re.IGNORECASE)
+_NEEDS_CLAUSE_END = re.compile(r"^(?:see|take|talk)\b", re.IGNORECASE)
+
+
+def _is_english_farewell(text: str) -> bool:
+  for m in _EN_FAREWELL.finditer(text):
+    before, after = text[:m.start()], text[m.end():]
+    if _REPORTED_BEFORE.search(before) or _NOT_FAREWELL_AFTER.match(after):
+      continue
+    if _NEEDS_CLAUSE_END.match(m.group(0)):
+      if re.search(r"\bi\s+$", before, re.IGNORECASE) or not _CLAUSE_END_AFTER.match(after):
+        continue
+    return True
+  return False
+
+
+def says_goodbye(text: str, language: str) -> bool:
+  """True when the simulated user's utterance takes leave of the conversation.
+
+  Chinese text matches 再见/拜拜 (and English farewells, which Chinese users also type); English
+  text matches whole-word farewells, skipping ones that are merely described.
+  """
+  if language == "zh":
+    return bool(_ZH_GOODBYE.search(text)) or _is_english_farewell(text)
+  if language == "en":
+    return _is_english_farewell(text)
+  raise ValueError(f"unsupported language {language!r}; expected 'en' or 'zh'")

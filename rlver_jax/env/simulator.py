@@ -1,0 +1,348 @@
+"""SAGE-style simulated user: per-dialogue emotion state machine and a batched driver.
+
+Pure logic over text: the words come from a `SimulatorBackend`. Each dialogue's simulator context
+is an append-only chat message list (see simulator_prompts for the texts):
+  system  (role, goal, persona, background, hidden theme, style rules)
+  user (asks for the opening line)  -> assistant (the opening; the profile's `first_talk` if any)
+  per policy turn:
+  user (policy reply, emotion, emotion-step instruction) -> assistant (analysis, "Change: +N")
+  [user (correction: redo the analysis) -> assistant]  at most `max_parse_retries` times
+  user (new state, reply-step instruction) -> assistant (plan ... "Reply: <text>")
+Only the text after the last reply marker reaches the policy.
+
+Rows are dialogue ids fixed at construction; every call addresses rows by id, never by position
+among the live dialogues (the reference mixes up simulators once some dialogues end).
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+import re
+from typing import Sequence
+
+from rlver_jax.env import simulator_prompts as prompts
+from rlver_jax.env.backends import Message, SimRequest, SimulatorBackend
+from rlver_jax.env.chat import says_goodbye
+from rlver_jax.env.profiles import Profile, personality_key
+
+TERMINATIONS = ("goodbye", "emotion_zero", "emotion_full", "max_turns")
+MAX_CHANGE = 10
+
+# A change label: "change"/"变化" followed by a colon (after optional markdown) or directly a number.
+_CHANGE_LABEL = re.compile(
+    r"(?:(?<![a-z])change(?![a-z])|变化(?:值|量|分数|分值)?)"
+    r"[\s*_]*(?:[:：=]|(?=[+\-−－＋﹢﹣–]?\s*[0-9０-９]))",
+    re.IGNORECASE)
+_SIGNED_INT = re.compile(r"([+\-−－＋﹢﹣–]?)\s*([0-9０-９]+)")
+_MINUS = "-−－﹣–"
+_FULLWIDTH_DIGITS = str.maketrans("０１２３４５６７８９", "0123456789")
+_REPLY_LABEL = re.compile(r"(?:(?<![a-z])reply(?![a-z])|回复)[\s*_]*[:：][\s*_]*", re.IGNORECASE)
+_QUOTES = (('"', '"'), ("'", "'"), ("“", "”"), ("‘", "’"), ("「", "」"), ("『", "』"))
+
+
+def parse_change(text: object) -> int | None:
+  """First signed integer after the last change label, clamped to [-10, 10]; None if absent.
+
+  Never raises: any input (including non-strings) gives an int or None.
+  """
+  if not isinstance(text, str):
+    return None
+  labels = list(_CHANGE_LABEL.finditer(text))
+  if not labels:
+    return None
+  number = _SIGNED_INT.search(text, labels[-1].end())
+  if number is None:
+    return None
+  digits = number.group(2).translate(_FULLWIDTH_DIGITS)
+  # Long digit runs are far outside the clamp; cutting them keeps int() cheap and safe.
+  value = int(digits[:4])
+  if number.group(1) and number.group(1) in _MINUS:
+    value = -value
+  return max(-MAX_CHANGE, min(MAX_CHANGE, value))
+
+
+def emotion_state(e: int) -> str:
+  """S (>= 100), A (>= 70), B (>= 40), C (>= 10), F (< 10)."""
+  if e >= 100:
+    return "S"
+  if e >= 70:
+    return "A"
+  if e >= 40:
+    return "B"
+  if e >= 10:
+    return "C"
+  return "F"
+
+
+def apply_change(e: int, change: int) -> int:
+  """The new emotion: clip(e + change, 0, 100)."""
+  return max(0, min(100, e + change))
+
+
+def _strip_quotes(text: str) -> str:
+  text = text.strip()
+  for left, right in _QUOTES:
+    if len(text) >= 2 and text.startswith(left) and text.endswith(right):
+      return text[len(left):-len(right)].strip()
+  return text
+
+
+def extract_reply(text: str) -> str:
+  """The text after the last reply marker (the whole text if none), stripped of quotes."""
+  markers = list(_REPLY_LABEL.finditer(text))
+  if not markers:
+    return _strip_quotes(text)
+  after = _strip_quotes(text[markers[-1].end():])
+  # A marker with nothing after it: fall back to what came before rather than an empty reply.
+  return after or _strip_quotes(text[:markers[-1].start()])
+
+
+@dataclasses.dataclass
+class UserState:
+  """Everything recorded about one dialogue.
+
+  `emotions` starts with the start value and gains one entry per policy turn; `replies` starts with
+  the opening line and gains one per generated user reply (none after a `max_turns` ending).
+  """
+  row: int
+  profile: Profile
+  language: str
+  emotion: int
+  emotions: list[int] = dataclasses.field(default_factory=list)
+  changes: list[int] = dataclasses.field(default_factory=list)
+  parsed: list[bool] = dataclasses.field(default_factory=list)
+  reasoning: list[str] = dataclasses.field(default_factory=list)
+  replies: list[str] = dataclasses.field(default_factory=list)
+  policy_replies: list[str] = dataclasses.field(default_factory=list)
+  parse_failures: int = 0
+  termination: str | None = None
+  messages: list[Message] = dataclasses.field(default_factory=list)
+  sent: int = 0  # how many of `messages` the backend has already been given
+
+  def __post_init__(self):
+    if not self.emotions:
+      self.emotions.append(self.emotion)
+
+  @property
+  def turns(self) -> int:
+    """Policy replies received so far."""
+    return len(self.policy_replies)
+
+  @property
+  def done(self) -> bool:
+    return self.termination is not None
+
+  @property
+  def state(self) -> str:
+    return emotion_state(self.emotion)
+
+  @property
+  def reward(self) -> float:
+    """Trajectory reward: max(e / 100, 0)."""
+    return max(self.emotion / 100.0, 0.0)
+
+  def apply(self, change: int | None) -> int:
+    """Records one emotion update (a parse failure, None, means change 0); returns the change."""
+    applied = 0 if change is None else change
+    self.changes.append(applied)
+    self.parsed.append(change is not None)
+    self.emotion = apply_change(self.emotion, applied)
+    self.emotions.append(self.emotion)
+    return applied
+
+  def emotion_termination(self, max_turns: int) -> str | None:
+    """The ending forced by the emotion value or the turn budget, if any."""
+    if self.emotion >= 100:
+      return "emotion_full"
+    if self.emotion <= 0:
+      return "emotion_zero"
+    if self.turns >= max_turns:
+      return "max_turns"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnResult:
+  """The outcome of one policy turn for one dialogue row."""
+  row: int
+  turn: int  # 1-based index of the policy reply
+  change: int  # applied change (0 after a parse failure)
+  parsed: bool
+  emotion: int  # after the update
+  state: str
+  reasoning: str  # the last emotion-step analysis
+  user_reply: str | None  # None when the dialogue ended by max_turns (no reply is generated)
+  done: bool
+  termination: str | None
+  parse_failures: int  # unparsable analyses during this turn
+
+
+class SimulatedUsers:
+  """A batch of simulated users, one per profile, driven turn by turn against a backend.
+
+  Call `opening()` once, then `step(rows, policy_replies)` with any subset of the live rows. A
+  dialogue that ends by emotion (e >= 100 or e <= 0) still gets its final user line (state S or F
+  means: say goodbye); one that ends by `max_turns` does not, since nobody would read it.
+  """
+
+  def __init__(self, profiles: Sequence[Profile], backend: SimulatorBackend, *,
+               style: str = "vanilla", start_emotion: int = 30, max_turns: int = 8,
+               max_parse_retries: int = 2, language_override: str | None = None):
+    if style not in prompts.STYLES:
+      raise ValueError(f"unknown simulator style {style!r}; expected one of {prompts.STYLES}")
+    if language_override is not None and language_override not in prompts.LANGUAGES:
+      raise ValueError(
+          f"unknown language {language_override!r}; expected one of {prompts.LANGUAGES}")
+    if max_turns < 1 or max_parse_retries < 0 or not 0 <= start_emotion <= 100:
+      raise ValueError("need max_turns >= 1, max_parse_retries >= 0 and 0 <= start_emotion <= 100")
+    self.profiles = list(profiles)
+    self.backend = backend
+    self.style = style
+    self.start_emotion = start_emotion
+    self.max_turns = max_turns
+    self.max_parse_retries = max_parse_retries
+    self.records = [
+        UserState(row=i, profile=p, language=language_override or p.language, emotion=start_emotion)
+        for i, p in enumerate(self.profiles)
+    ]
+    self._opened = False
+    backend.reset(len(self.records))
+
+  def __len__(self) -> int:
+    return len(self.records)
+
+  def live_rows(self) -> list[int]:
+    """Ids of the dialogues still running, ascending."""
+    return [r.row for r in self.records if not r.done]
+
+  @property
+  def done(self) -> bool:
+    return all(r.done for r in self.records)
+
+  def rewards(self) -> list[float]:
+    return [r.reward for r in self.records]
+
+  def opening(self) -> list[str]:
+    """The users' first utterances for all rows (preset `first_talk`, else generated)."""
+    if self._opened:
+      raise RuntimeError("opening() was already called")
+    self._opened = True
+    to_generate = []
+    for rec in self.records:
+      rec.messages.append({"role": "system",
+                           "content": prompts.system_prompt(rec.profile, self.style, rec.language)})
+      rec.messages.append({"role": "user", "content": prompts.opening_instruction(
+          rec.language, self._passive(rec))})
+      if rec.profile.first_talk:
+        # Kept in the context; it reaches the backend together with the first emotion step.
+        rec.messages.append({"role": "assistant", "content": rec.profile.first_talk})
+        rec.replies.append(rec.profile.first_talk)
+      else:
+        to_generate.append(rec)
+    texts = self._generate(to_generate, "opening")
+    for rec, text in zip(to_generate, texts):
+      rec.replies.append(extract_reply(text))
+    return [rec.replies[0] for rec in self.records]
+
+  def step(self, rows: Sequence[int], policy_replies: Sequence[str]) -> list[TurnResult]:
+    """One policy turn for the given dialogue ids: emotion step (with retries), then reply step."""
+    recs = self._check_rows(rows, policy_replies)
+    for rec, reply in zip(recs, policy_replies):
+      rec.policy_replies.append(reply)
+      rec.messages.append({"role": "user", "content": prompts.emotion_instruction(
+          reply, rec.emotion, rec.language, self.style)})
+    changes, failures, analyses = self._emotion_step(recs)
+    for rec in recs:
+      rec.reasoning.append(analyses[rec.row])
+      rec.apply(changes[rec.row])
+      rec.termination = rec.emotion_termination(self.max_turns)
+    speaking = [rec for rec in recs if rec.termination != "max_turns"]
+    for rec in speaking:
+      rec.messages.append({"role": "user", "content": prompts.reply_instruction(
+          rec.emotion, rec.state, rec.language, self._passive(rec))})
+    texts = self._generate(speaking, "reply")
+    user_replies: dict[int, str] = {}
+    for rec, text in zip(speaking, texts):
+      reply = extract_reply(text)
+      rec.replies.append(reply)
+      user_replies[rec.row] = reply
+      if rec.termination is None and says_goodbye(reply, rec.language):
+        rec.termination = "goodbye"
+    return [
+        TurnResult(row=rec.row, turn=rec.turns, change=rec.changes[-1], parsed=rec.parsed[-1],
+                   emotion=rec.emotion, state=rec.state, reasoning=rec.reasoning[-1],
+                   user_reply=user_replies.get(rec.row), done=rec.done,
+                   termination=rec.termination, parse_failures=failures[rec.row])
+        for rec in recs
+    ]
+
+  def _emotion_step(self, recs: list[UserState]):
+    """Runs the analysis, re-asking only the rows whose change line could not be parsed."""
+    changes: dict[int, int | None] = {}
+    failures = {rec.row: 0 for rec in recs}
+    analyses: dict[int, str] = {}
+    pending, kind = recs, "emotion"
+    for attempt in range(self.max_parse_retries + 1):
+      texts = self._generate(pending, kind)
+      failed = []
+      for rec, text in zip(pending, texts):
+        analyses[rec.row] = text
+        changes[rec.row] = parse_change(text)
+        if changes[rec.row] is None:
+          failures[rec.row] += 1
+          rec.parse_failures += 1
+          failed.append(rec)
+      if not failed or attempt == self.max_parse_retries:
+        break
+      for rec in failed:
+        rec.messages.append({"role": "user", "content": prompts.retry_instruction(rec.language)})
+      pending, kind = failed, "retry"
+    return changes, failures, analyses
+
+  def _generate(self, recs: list[UserState], kind: str) -> list[str]:
+    """Sends each row its unsent messages, records the answers in the rows' contexts."""
+    if not recs:
+      return []
+    requests = [
+        SimRequest(row=rec.row, new_messages=tuple(rec.messages[rec.sent:]), kind=kind,
+                   profile=rec.profile, language=rec.language,
+                   policy_reply=rec.policy_replies[-1] if rec.policy_replies else None,
+                   emotion=rec.emotion, state=rec.state)
+        for rec in recs
+    ]
+    texts = self.backend.generate(requests)
+    if len(texts) != len(requests):
+      raise RuntimeError(f"backend returned {len(texts)} texts for {len(requests)} requests")
+    out = []
+    for rec, text in zip(recs, texts):
+      text = text if isinstance(text, str) else str(text)
+      rec.messages.append({"role": "assistant", "content": text})
+      rec.sent = len(rec.messages)
+      out.append(text)
+    return out
+
+  def _check_rows(self, rows: Sequence[int], policy_replies: Sequence[str]) -> list[UserState]:
+    if not self._opened:
+      raise RuntimeError("call opening() before step()")
+    try:  # numpy integers are fine; floats and strings are not
+      rows = [operator.index(r) for r in rows]
+    except TypeError:
+      raise TypeError(f"rows must be integer dialogue ids, got {list(rows)!r}") from None
+    policy_replies = list(policy_replies)
+    if len(rows) != len(policy_replies):
+      raise ValueError(f"{len(rows)} rows but {len(policy_replies)} policy replies")
+    if len(set(rows)) != len(rows):
+      raise ValueError(f"duplicate rows in {rows}")
+    for row in rows:
+      if not 0 <= row < len(self.records):
+        raise IndexError(f"row {row!r} is not a dialogue id in [0, {len(self.records)})")
+      if self.records[row].done:
+        raise ValueError(f"dialogue {row} already ended ({self.records[row].termination})")
+    return [self.records[row] for row in rows]
+
+  @staticmethod
+  def _passive(rec: UserState) -> bool:
+    try:
+      return personality_key(rec.profile) == "passive"
+    except ValueError:  # a custom personality type: no special rule
+      return False

@@ -1,0 +1,282 @@
+"""Tests of the simulator backends: scripted rules and the OpenAI-compatible HTTP client."""
+import http.server
+import json
+import re
+import socket
+import threading
+import time
+
+import pytest
+
+from rlver_jax.env import scripted_rules
+from rlver_jax.env.backends import (OpenAIChatBackend, ScriptedBackend, SimRequest,
+                                    SimulatorBackendError)
+from rlver_jax.env.chat import says_goodbye
+from rlver_jax.env.profiles import HIDDEN_INTENTIONS_EN, INTENTION_KEYS, Profile
+from rlver_jax.env.simulator import parse_change
+
+KEY_ENV = "RLVER_TEST_SIM_KEY"
+SECRET = "sk-test-secret-0123456789"
+
+
+def _profile(intention: str = "deep_empathy", main_cha: str = "negative") -> Profile:
+  task = HIDDEN_INTENTIONS_EN[INTENTION_KEYS.index(intention)]
+  return Profile(id=f"id-{intention}", player="Name: Sam", scene="story", main_cha=main_cha,
+                 cha_group=("a", "b"), task=task)
+
+
+def _req(row: int, kind: str = "emotion", reply: str | None = "hi", text: str = "msg",
+         **kw) -> SimRequest:
+  kw.setdefault("profile", _profile())
+  kw.setdefault("language", "en")
+  return SimRequest(row=row, new_messages=[{"role": "user", "content": text}], kind=kind,
+                    policy_reply=reply, **kw)
+
+
+# --- Scripted rules -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("intention", INTENTION_KEYS)
+def test_every_intention_rewards_its_own_phrases(intention):
+  en, zh = scripted_rules.REWARDED[intention]
+  for phrase in (en[0], zh[0]):
+    score = scripted_rules.score_reply(f"Hmm. {phrase} 呀", intention)
+    bonus = scripted_rules.SHORT_LISTEN_BONUS if score.short_bonus else 0
+    assert score.hits == (phrase,) and score.change == scripted_rules.HIT_GAIN + bonus
+
+
+def test_score_rules():
+  score = scripted_rules.score_reply
+  assert score("", "no_fault").change == -8
+  assert score("   ", "no_fault").garbled
+  assert score("?!?! ... ### 123", "no_fault").change == -8
+  assert score("aaaaaaaa", "no_fault").change == -8
+  assert score("Nice weather.", "no_fault").change == -2
+  assert score("It's not your fault. Calm down.", "no_fault").change == 4 - 3
+  assert score("Entry to the country", "actionable_advice").change == -2  # "try" only as a word
+  assert score("Try it: step one, you could plan.", "actionable_advice").change == 10
+  assert score("I'm listening, go on.", "listen_venting").change == 8 + 2
+  assert score("I'm listening. You should try yoga.", "listen_venting").change == 4 - 6
+  long_reply = "I hear you. " + "and so on " * 100
+  assert score(long_reply, "deep_empathy").change == 4 - 3
+  assert score("不是你的错，你没有错", "no_fault").change == 8
+  assert score("I’m listening", "listen_venting").hits == ("i'm listening",)  # curly apostrophe
+
+
+def test_analysis_text_round_trips_through_the_parser():
+  for reply in ["", "I hear you", "That sounds hard and must feel lonely; I hear you", "Calm down"]:
+    s = scripted_rules.score_reply(reply, "deep_empathy")
+    for language in ("en", "zh"):
+      text = scripted_rules.analysis_text(s, language)
+      assert parse_change(text) == s.change
+      assert len(text.splitlines()) == 5
+
+
+def test_reply_templates_say_goodbye_only_at_s_and_f():
+  for language in ("en", "zh"):
+    for state in "SABCF":
+      for key in ("a", "b", "c", "d"):
+        text = scripted_rules.reply_text(state, language, key, passive=False)
+        reply = text.split("Reply: " if language == "en" else "回复：")[-1]
+        assert says_goodbye(reply, language) == (state in "SF"), (state, reply)
+        passive = scripted_rules.reply_text(state, language, key, passive=True)
+        assert "?" not in passive and "？" not in passive
+
+
+def test_scripted_backend_is_deterministic_and_keeps_history():
+  outs = []
+  for _ in range(2):
+    backend = ScriptedBackend()
+    backend.reset(2)
+    outs.append(backend.generate([_req(0, "opening", None), _req(1, "emotion", "I hear you")]))
+    outs.append(backend.generate([_req(1, "reply", state="A", emotion=70)]))
+  assert outs[0] == outs[2] and outs[1] == outs[3]
+  assert outs[0][1].endswith("Change: +4")
+  assert outs[1][0].startswith("Plan:") and "Reply:" in outs[1][0]
+  assert [m["role"] for m in backend.history(1)] == ["user", "assistant", "user", "assistant"]
+  assert backend.history(0)[1]["content"] == outs[2][0]
+
+
+def test_history_validation():
+  backend = ScriptedBackend()
+  backend.reset(1)
+  with pytest.raises(ValueError, match="once"):
+    backend.generate([_req(0), _req(0)])
+  with pytest.raises(IndexError):
+    backend.generate([_req(3)])
+  with pytest.raises(ValueError, match="kind"):
+    _req(0, kind="chat")
+  backend.generate([_req(0)])
+  backend.reset(1)
+  assert backend.history(0) == []
+
+
+# --- HTTP backend against local stub servers ----------------------------------------------------
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+  def do_POST(self):  # noqa: N802 (http.server naming)
+    server = self.server
+    body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+    with server.lock:
+      server.count += 1
+      n = server.count
+      server.inflight += 1
+      server.max_inflight = max(server.max_inflight, server.inflight)
+      server.seen.append({"path": self.path, "body": json.loads(body),
+                          "auth": self.headers.get("Authorization")})
+    try:
+      status, payload = server.respond(n, json.loads(body))
+      if server.delay:
+        time.sleep(server.delay)
+      data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+      self.send_response(status)
+      self.send_header("Content-Type", "application/json")
+      self.send_header("Content-Length", str(len(data)))
+      self.end_headers()
+      self.wfile.write(data)
+    except (BrokenPipeError, ConnectionResetError):
+      pass  # the client gave up (timeout test)
+    finally:
+      with server.lock:
+        server.inflight -= 1
+
+  def log_message(self, *args):
+    pass
+
+
+def _ok(n, body):
+  last = body["messages"][-1]["content"]
+  return 200, {"choices": [{"message": {"role": "assistant", "content": f"echo {n}: {last}"}}]}
+
+
+@pytest.fixture
+def stub():
+  servers = []
+
+  def start(respond=_ok, delay=0.0):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server.daemon_threads = True
+    server.respond, server.delay = respond, delay
+    server.lock, server.count, server.seen = threading.Lock(), 0, []
+    server.inflight = server.max_inflight = 0
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02},
+                     daemon=True).start()
+    servers.append(server)
+    return server, f"http://127.0.0.1:{server.server_address[1]}/v1"
+
+  yield start
+  for server in servers:
+    server.shutdown()
+    server.server_close()
+
+
+def _backend(url, **kw):
+  kw.setdefault("api_key_env", KEY_ENV)
+  kw.setdefault("backoff_s", 0.01)
+  kw.setdefault("timeout_s", 2.0)
+  return OpenAIChatBackend(url, "sim-model", **kw)
+
+
+def test_http_request_body_and_auth(stub, monkeypatch):
+  monkeypatch.setenv(KEY_ENV, SECRET)
+  server, url = stub()
+  backend = _backend(url, temperature=0.3, top_p=0.9, max_tokens=77)
+  backend.reset(3)
+  first = backend.generate([_req(r, text=f"hello {r}") for r in range(3)])
+  assert [t.split(": ", 1)[1] for t in first] == ["hello 0", "hello 1", "hello 2"]
+  second = backend.generate([_req(1, text="again")])
+  assert second[0].endswith(": again")
+  assert len(server.seen) == 4
+  for seen in server.seen:
+    assert seen["path"] == "/v1/chat/completions"
+    assert seen["auth"] == f"Bearer {SECRET}"
+    body = seen["body"]
+    assert body["model"] == "sim-model"
+    assert (body["temperature"], body["top_p"], body["max_tokens"]) == (0.3, 0.9, 77)
+  # Stateless API: the second call for row 1 carries the row's whole conversation.
+  assert server.seen[-1]["body"]["messages"] == [
+      {"role": "user", "content": "hello 1"}, {"role": "assistant", "content": first[1]},
+      {"role": "user", "content": "again"}]
+  assert backend.history(1)[-1] == {"role": "assistant", "content": second[0]}
+  assert SECRET not in repr(backend)
+
+
+def test_http_no_key_no_header(stub, monkeypatch):
+  monkeypatch.delenv(KEY_ENV, raising=False)
+  server, url = stub()
+  backend = _backend(url)
+  backend.reset(1)
+  backend.generate([_req(0)])
+  assert server.seen[0]["auth"] is None
+
+
+def test_http_concurrency_limit(stub):
+  server, url = stub(delay=0.05)
+  backend = _backend(url, max_concurrency=2)
+  backend.reset(6)
+  out = backend.generate([_req(r, text=str(r)) for r in range(6)])
+  assert [t.split(": ", 1)[1] for t in out] == [str(r) for r in range(6)]
+  assert server.max_inflight <= 2
+
+
+def test_http_timeout_is_bounded(stub, monkeypatch):
+  monkeypatch.setenv(KEY_ENV, SECRET)
+  server, url = stub(delay=0.6)
+  backend = _backend(url, timeout_s=0.2, max_attempts=2)
+  backend.reset(1)
+  start = time.monotonic()
+  with pytest.raises(SimulatorBackendError) as info:
+    backend.generate([_req(0)])
+  assert time.monotonic() - start < 3.0
+  message = str(info.value)
+  assert "/v1/chat/completions" in message and "timed out" in message and "2 attempts" in message
+  assert SECRET not in message and "\n" not in message
+  assert server.count == 2
+  assert backend.history(0)[-1]["role"] == "user"  # nothing was appended for the failed call
+
+
+@pytest.mark.parametrize("payload,problem", [
+    (b"<html>not json</html>", "not valid JSON"),
+    ({"choices": []}, "lacks choices[0].message.content"),
+    ({"choices": [{"message": {"content": None}}]}, "not a string"),
+])
+def test_http_bad_body_is_retried_then_raises(stub, monkeypatch, payload, problem):
+  monkeypatch.setenv(KEY_ENV, SECRET)
+  server, url = stub(respond=lambda n, body: (200, payload))
+  backend = _backend(url, max_attempts=3)
+  backend.reset(1)
+  with pytest.raises(SimulatorBackendError, match=re.escape(problem)) as info:
+    backend.generate([_req(0)])
+  assert server.count == 3
+  assert SECRET not in str(info.value)
+
+
+def test_http_fails_once_then_succeeds(stub, monkeypatch):
+  monkeypatch.setenv(KEY_ENV, SECRET)
+  server, url = stub(respond=lambda n, body: (503, {"error": "busy"}) if n == 1 else _ok(n, body))
+  backend = _backend(url, max_attempts=3)
+  backend.reset(1)
+  assert backend.generate([_req(0, text="x")]) == ["echo 2: x"]
+  assert server.count == 2
+
+
+def test_http_client_error_is_not_retried(stub, monkeypatch):
+  monkeypatch.setenv(KEY_ENV, SECRET)
+  server, url = stub(respond=lambda n, body: (401, {"error": f"bad key {SECRET}"}))
+  backend = _backend(url, max_attempts=3)
+  backend.reset(1)
+  with pytest.raises(SimulatorBackendError, match="HTTP 401") as info:
+    backend.generate([_req(0)])
+  assert server.count == 1
+  assert SECRET not in str(info.value)
+
+
+def test_http_connection_refused(monkeypatch):
+  monkeypatch.setenv(KEY_ENV, SECRET)
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  backend = _backend(f"http://127.0.0.1:{port}/v1", max_attempts=2)
+  backend.reset(1)
+  with pytest.raises(SimulatorBackendError, match="connection error") as info:
+    backend.generate([_req(0)])
+  assert SECRET not in str(info.value)

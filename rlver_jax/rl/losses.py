@@ -1,0 +1,239 @@
+"""Token-level RL losses: PPO clipped surrogate, clipped value loss, entropy and KL terms.
+
+Shape legend: B sequences, T tokens, V vocabulary.
+
+`mask` [B, T] is 1 on policy tokens and 0 on prompt, user-simulator and padding tokens. Every
+loss is built per token and reduced by `aggregate`, so the reduction is one choice shared by all
+terms. Everything is computed in fp32: log-ratios of bf16 log-probs are off by ~1e-2, enough to
+flip clipping decisions and to make exp(logp - old_logp) visibly differ from 1 on-policy.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_F32 = jnp.float32
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3")
+
+
+def _masked_mean(x: jax.Array, w: jax.Array) -> jax.Array:
+  return (x * w).sum() / jnp.maximum(w.sum(), 1.0)
+
+
+def aggregate(
+    loss_tokens: jax.Array,
+    mask: jax.Array,
+    mode: str = "token-mean",
+    *,
+    norm_len: int | None = None,
+    weights: jax.Array | None = None,
+) -> jax.Array:
+  """Reduces a [B, T] per-token loss to a scalar.
+
+  With `weights` (from `token_weights` over a larger batch), returns sum(loss * weights): summing
+  that over micro-batches gives exactly the aggregate of the whole batch.
+
+  Modes:
+    token-mean: sum over all policy tokens / number of policy tokens (long sequences weigh more).
+    seq-mean-token-mean: mean over sequences of each sequence's token mean.
+    seq-mean-token-sum-norm: each sequence's token sum / a constant (norm_len, default T), then
+      the mean over sequences (Dr.GRPO: no per-sequence length normalisation).
+  In both seq modes, sequences with no policy tokens (batch padding) are left out of the mean.
+  """
+  if mode not in AGG_MODES:
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
+  x = loss_tokens.astype(_F32)
+  if weights is not None:
+    return (x * weights).sum()
+  w = (mask > 0).astype(_F32)
+  if mode == "token-mean":
+    return _masked_mean(x, w)
+  seq_sum = (x * w).sum(-1)
+  seq_len = w.sum(-1)
+  if mode == "seq-mean-token-mean":
+    per_seq = seq_sum / jnp.maximum(seq_len, 1.0)
+  else:
+    per_seq = seq_sum / float(x.shape[-1] if norm_len is None else norm_len)
+  has_tokens = (seq_len > 0).astype(_F32)
+  return (per_seq * has_tokens).sum() / jnp.maximum(has_tokens.sum(), 1.0)
+
+
+def token_weights(mask: jax.Array, mode: str = "token-mean", *, norm_len: int | None = None) -> jax.Array:
+  """[B, T] weights with sum(x * weights) == aggregate(x, mask, mode) for any x."""
+  if mode not in AGG_MODES:
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
+  w = (mask > 0).astype(_F32)
+  if mode == "token-mean":
+    return w / jnp.maximum(w.sum(), 1.0)
+  seq_len = w.sum(-1, keepdims=True)
+  num_seqs = jnp.maximum((seq_len > 0).sum(), 1.0)
+  if mode == "seq-mean-token-mean":
+    return w / jnp.maximum(seq_len, 1.0) / num_seqs
+  return w / float(mask.shape[-1] if norm_len is None else norm_len) / num_seqs
+
+
+def policy_loss(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    agg: str = "token-mean",
+    norm_len: int | None = None,
+    rollout_logp: jax.Array | None = None,
+    tis_cap: float | None = None,
+    weights: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """PPO clipped surrogate, all inputs [B, T]; returns (scalar loss, metrics).
+
+  Per token: max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)). With dual_clip = c
+  (c > 1), tokens with A < 0 are further capped at -c * A, so a huge ratio on a bad token cannot
+  produce an unbounded loss. With rollout_logp and tis_cap both given, each token's loss is scaled
+  by the truncated importance weight min(exp(old_logp - rollout_logp), tis_cap) (no gradient),
+  correcting for the sampler's log-probs differing from the trainer's.
+
+  Metrics (over policy tokens): clip_frac (the clipped branch is the active one), dual_clip_frac,
+  approx_kl (k2 = 0.5 * (logp - old_logp)^2), ratio_mean/max/min and, with TIS, tis_weight_mean.
+  """
+  if dual_clip is not None and dual_clip <= 1.0:
+    raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+  logp = logp.astype(_F32)
+  old_logp = jax.lax.stop_gradient(old_logp.astype(_F32))
+  adv = jax.lax.stop_gradient(advantages.astype(_F32))
+  w = (mask > 0).astype(_F32)
+
+  log_ratio = logp - old_logp
+  ratio = jnp.exp(log_ratio)
+  unclipped = -adv * ratio
+  clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+  loss_tok = jnp.maximum(unclipped, clipped)
+  clip_active = clipped > unclipped
+  if dual_clip is None:
+    dual_active = jnp.zeros_like(clip_active)
+  else:
+    cap = -adv * dual_clip
+    dual_active = (adv < 0) & (loss_tok > cap)
+    loss_tok = jnp.where(dual_active, cap, loss_tok)
+
+  metrics = {}
+  if rollout_logp is not None and tis_cap is not None:
+    tis_w = jnp.minimum(jnp.exp(old_logp - rollout_logp.astype(_F32)), tis_cap)
+    tis_w = jax.lax.stop_gradient(tis_w)
+    loss_tok = loss_tok * tis_w
+    metrics["tis_weight_mean"] = _masked_mean(tis_w, w)
+
+  # An empty batch reports ratio 1 rather than +-inf.
+  any_tok = w.sum() > 0
+  metrics.update(
+      clip_frac=_masked_mean(clip_active.astype(_F32), w),
+      dual_clip_frac=_masked_mean(dual_active.astype(_F32), w),
+      approx_kl=_masked_mean(0.5 * log_ratio**2, w),
+      ratio_mean=_masked_mean(ratio, w),
+      ratio_max=jnp.where(any_tok, jnp.where(w > 0, ratio, -jnp.inf).max(), 1.0),
+      ratio_min=jnp.where(any_tok, jnp.where(w > 0, ratio, jnp.inf).min(), 1.0),
+  )
+  metrics = {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
+  return aggregate(loss_tok, mask, agg, norm_len=norm_len, weights=weights), metrics
+
+
+def value_loss(
+    values: jax.Array,
+    old_values: jax.Array,
+    returns: jax.Array,
+    mask: jax.Array,
+    *,
+    clip_eps: float | None = 0.5,
+    agg: str = "token-mean",
+    norm_len: int | None = None,
+    weights: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Clipped value loss 0.5 * max((v - R)^2, (clip(v, old - eps, old + eps) - R)^2), inputs [B, T].
+
+  clip_eps=None gives the plain 0.5 * (v - R)^2. Metrics: vf_clip_frac (the clipped branch is the
+  active one) and explained_variance = 1 - Var(R - v) / Var(R) over policy tokens (0 if Var(R) = 0;
+  the ddof choice cancels in the ratio).
+  """
+  v = values.astype(_F32)
+  ret = jax.lax.stop_gradient(returns.astype(_F32))
+  w = (mask > 0).astype(_F32)
+  err = (v - ret) ** 2
+  if clip_eps is None:
+    loss_tok = 0.5 * err
+    clip_active = jnp.zeros(err.shape, bool)
+  else:
+    old = jax.lax.stop_gradient(old_values.astype(_F32))
+    err_clipped = (jnp.clip(v, old - clip_eps, old + clip_eps) - ret) ** 2
+    loss_tok = 0.5 * jnp.maximum(err, err_clipped)
+    clip_active = err_clipped > err
+
+  def masked_var(x):
+    return _masked_mean((x - _masked_mean(x, w)) ** 2, w)
+
+  var_ret = masked_var(ret)
+  explained = 1.0 - masked_var(ret - v) / jnp.where(var_ret > 0, var_ret, 1.0)
+  metrics = {
+      "vf_clip_frac": _masked_mean(clip_active.astype(_F32), w),
+      "explained_variance": jnp.where(var_ret > 0, explained, 0.0),
+  }
+  metrics = {k: jax.lax.stop_gradient(m) for k, m in metrics.items()}
+  return aggregate(loss_tok, mask, agg, norm_len=norm_len, weights=weights), metrics
+
+
+def entropy_from_logits(logits: jax.Array) -> jax.Array:
+  """[B, T, V] logits -> [B, T] fp32 entropy of softmax(logits)."""
+  x = logits.astype(_F32)
+  logz = jax.nn.logsumexp(x, axis=-1)
+  return logz - (jax.nn.softmax(x, axis=-1) * x).sum(-1)
+
+
+def entropy_bonus(
+    entropy: jax.Array,
+    mask: jax.Array,
+    agg: str = "token-mean",
+    *,
+    norm_len: int | None = None,
+    weights: jax.Array | None = None,
+) -> jax.Array:
+  """Aggregated [B, T] entropy; the trainer subtracts coef * this from the loss."""
+  return aggregate(entropy, mask, agg, norm_len=norm_len, weights=weights)
+
+
+def kl_penalty(logp: jax.Array, ref_logp: jax.Array, kind: str = "k3") -> jax.Array:
+  """Per-token estimate of KL(pi || ref) from samples of pi.
+
+  k1: logp - ref (unbiased, high variance, can be negative); k2: 0.5 * (logp - ref)^2 (biased,
+  >= 0); k3: exp(ref - logp) - (ref - logp) - 1 (unbiased and >= 0, low variance).
+  """
+  d = ref_logp.astype(_F32) - logp.astype(_F32)
+  if kind == "k1":
+    return -d
+  if kind == "k2":
+    return 0.5 * d**2
+  if kind == "k3":
+    return jnp.exp(d) - d - 1.0
+  raise ValueError(f"unknown KL estimator {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
+
+
+def kl_loss(
+    logp: jax.Array,
+    ref_logp: jax.Array,
+    mask: jax.Array,
+    kind: str = "k3",
+    agg: str = "token-mean",
+    *,
+    norm_len: int | None = None,
+    weights: jax.Array | None = None,
+) -> jax.Array:
+  """KL-to-reference as a loss term (GRPO style), aggregated over policy tokens."""
+  kl = kl_penalty(logp, jax.lax.stop_gradient(ref_logp), kind)
+  return aggregate(kl, mask, agg, norm_len=norm_len, weights=weights)
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """[B, T, V] logits, [B, T] int targets -> [B, T] fp32 log p(target)."""
+  logps = jax.nn.log_softmax(logits.astype(_F32), axis=-1)
+  return jnp.take_along_axis(logps, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]

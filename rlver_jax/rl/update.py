@@ -1,0 +1,169 @@
+"""The fused PPO / GRPO update: one jitted, donated step per mini-batch.
+
+Shape legend: M micro-batches, B sequences per micro-batch, T tokens, V vocabulary, D hidden.
+
+Token-aligned batches: `tokens [M, B, T]`, and for every array below index t describes token t
+(`logp[..., t] = log p(tokens[t] | tokens[<t])`; index 0 is never a policy token). `loss_mask` is 1 on
+tokens the policy sampled. Loss terms are reduced with weights computed once over the whole
+mini-batch, so accumulating gradients over micro-batches (a `lax.scan` inside the jit) gives exactly
+the gradient of the whole mini-batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from rlver_jax.models.qwen2 import Qwen2
+from rlver_jax.rl import losses
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  clip_low: float = 0.2
+  clip_high: float = 0.2
+  dual_clip: float | None = None
+  agg: str = "token-mean"
+  norm_len: int | None = None
+  entropy_coef: float = 0.001
+  kl_coef: float = 0.0          # KL-to-reference in the loss (0: off, as in the paper)
+  kl_kind: str = "k3"
+  tis_cap: float | None = None  # truncated IS against the sampler's log-probs (None: off)
+  value_clip: float | None = 0.5
+  logits_chunk: int = 512       # tokens per LM-head chunk: bounds the [B, T, V] fp32 logits
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  learning_rate: float = 1e-6
+  warmup_steps: int = 0
+  b1: float = 0.9
+  b2: float = 0.999
+  weight_decay: float = 0.01
+  grad_clip: float = 1.0
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+  """Clip by global norm, then AdamW with a linear warm-up to a constant learning rate."""
+  schedule = optax.join_schedules(
+      [optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1)),
+       optax.constant_schedule(cfg.learning_rate)], [max(cfg.warmup_steps, 1)])
+  if cfg.warmup_steps <= 0:
+    schedule = optax.constant_schedule(cfg.learning_rate)
+  return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                     optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+
+
+def _shifted(hidden_BxTxD: jax.Array) -> jax.Array:
+  """Hidden state that predicts token t sits at t - 1: shift right, zeros at t = 0."""
+  return jnp.pad(hidden_BxTxD[:, :-1], ((0, 0), (1, 0), (0, 0)))
+
+
+def token_logprobs_and_entropy(model: Qwen2, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array,
+                               chunk: int) -> tuple[jax.Array, jax.Array]:
+  """log p(token t | <t) and the entropy of that prediction, both [B, T] fp32 (0 at t = 0).
+
+  The LM head runs over chunks of `chunk` positions under remat, so the full [B, T, V] logits are
+  never alive at once in the forward or the backward pass.
+  """
+  hidden = _shifted(model.hidden_states(tokens_BxT, segment_ids=segment_ids_BxT))
+  B, T, D = hidden.shape
+  n = -(-T // chunk)
+  pad = n * chunk - T
+  h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, D).swapaxes(0, 1)
+  tgt = jnp.pad(tokens_BxT, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one(args):
+    h_c, t_c = args
+    logits = model.logits(h_c)
+    return losses.token_logprobs(logits, t_c), losses.entropy_from_logits(logits)
+
+  logp, ent = jax.lax.map(one, (h, tgt))
+  logp = logp.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
+  ent = ent.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
+  first = jnp.arange(T)[None, :] > 0
+  return jnp.where(first, logp, 0.0), jnp.where(first, ent, 0.0)
+
+
+def token_values(critic: Qwen2, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array) -> jax.Array:
+  """V(state before token t), [B, T] fp32 (0 at t = 0)."""
+  values = critic.values(_shifted(critic.hidden_states(tokens_BxT, segment_ids=segment_ids_BxT)))
+  return jnp.where(jnp.arange(tokens_BxT.shape[1])[None, :] > 0, values, 0.0)
+
+
+def _policy_loss(model: Qwen2, mb: dict[str, jax.Array], cfg: LossConfig):
+  logp, ent = token_logprobs_and_entropy(model, mb["tokens"], mb["segment_ids"], cfg.logits_chunk)
+  w = mb["weights"]
+  loss, metrics = losses.policy_loss(
+      logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], clip_low=cfg.clip_low,
+      clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, rollout_logp=mb.get("rollout_logp"),
+      tis_cap=cfg.tis_cap, weights=w)
+  entropy = losses.entropy_bonus(ent, mb["loss_mask"], weights=w)
+  total = loss - cfg.entropy_coef * entropy
+  metrics = dict(metrics, pg_loss=loss, entropy=entropy)
+  if cfg.kl_coef > 0:
+    kl = losses.kl_loss(logp, mb["ref_logp"], mb["loss_mask"], cfg.kl_kind, weights=w)
+    total = total + cfg.kl_coef * kl
+    metrics["kl_loss"] = kl
+  return total, metrics
+
+
+def _value_loss(critic: Qwen2, mb: dict[str, jax.Array], cfg: LossConfig):
+  values = token_values(critic, mb["tokens"], mb["segment_ids"])
+  loss, metrics = losses.value_loss(values, mb["old_values"], mb["returns"], mb["loss_mask"],
+                                    clip_eps=cfg.value_clip, weights=mb["weights"])
+  return loss, dict(metrics, vf_loss=loss)
+
+
+LOSSES = {"policy": _policy_loss, "value": _value_loss}
+
+
+class Updater:
+  """Owns one jitted, donated update step for a model (policy or critic) and its optimizer."""
+
+  def __init__(self, model: Qwen2, optimizer: optax.GradientTransformation, loss: str, cfg: LossConfig):
+    self.graphdef, _, self.rest = nnx.split(model, nnx.Param, ...)
+    self.optimizer = optimizer
+    self.loss_fn = LOSSES[loss]
+    self.cfg = cfg
+    self._step = jax.jit(self._step_impl, donate_argnums=(0, 1))
+
+  def init(self, params: nnx.State) -> Any:
+    return jax.jit(self.optimizer.init)(params)
+
+  def step(self, params: nnx.State, opt_state, batch: dict[str, jax.Array]):
+    """batch arrays are [M, B, T]; returns (params, opt_state, metrics)."""
+    weights = losses.token_weights(batch["loss_mask"].reshape(-1, batch["loss_mask"].shape[-1]),
+                                   self.cfg.agg, norm_len=self.cfg.norm_len)
+    batch = dict(batch, weights=weights.reshape(batch["loss_mask"].shape))
+    return self._step(params, opt_state, batch)
+
+  def _step_impl(self, params, opt_state, batch):
+    def loss_of(p, mb):
+      return self.loss_fn(nnx.merge(self.graphdef, p, self.rest), mb, self.cfg)
+
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+
+    def accumulate(grads, mb):
+      (loss, metrics), g = grad_fn(params, mb)
+      return jax.tree.map(jnp.add, grads, g), dict(metrics, loss=loss)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, _F32), params)
+    grads, per_mb = jax.lax.scan(accumulate, zeros, batch)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    updates, opt_state = self.optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    # Loss terms are already weighted over the whole mini-batch: sum them; average the ratios.
+    summed = {"loss", "pg_loss", "entropy", "kl_loss", "vf_loss"}
+    metrics = {k: (v.sum() if k in summed else v.mean()) for k, v in per_mb.items()}
+    if "ratio_max" in metrics:
+      metrics["ratio_max"], metrics["ratio_min"] = per_mb["ratio_max"].max(), per_mb["ratio_min"].min()
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    return params, opt_state, metrics

@@ -23,8 +23,7 @@ embedded: install
 	$(BIN)/python -m rlver_jax.models.embedded
 
 demo: embedded
-	$(BIN)/python -m rlver_jax.generate --chat --temperature=0 --max_new_tokens=96 \
-	  --prompt="I failed my driving test for the second time today and I feel stupid."
+	$(BIN)/python -m rlver_jax.main --config=configs/grpo_think.py:runlocal
 
 test: install
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=15 tests

@@ -114,3 +114,17 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None],
   if mesh is None or mesh.empty:
     return x
   return jax.lax.with_sharding_constraint(x, rules.spec(logical_axes, x.shape, mesh))
+
+
+def host_array(x) -> np.ndarray:
+  """The full value of a (possibly multi-host sharded) array on every host, as numpy."""
+  if isinstance(x, np.ndarray) or getattr(x, "is_fully_addressable", True):
+    return np.asarray(x)
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def global_array(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  """A sharded array from a host value every process holds in full (each puts only its shards)."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])

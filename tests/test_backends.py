@@ -123,10 +123,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       server.max_inflight = max(server.max_inflight, server.inflight)
       server.seen.append({"path": self.path, "body": json.loads(body),
                           "auth": self.headers.get("Authorization")})
+    done = False
     try:
       status, payload = server.respond(n, json.loads(body))
       if server.delay:
         time.sleep(server.delay)
+      # Leave the in-flight count before answering: once the client has the answer it may send its
+      # next request, which must not overlap this one in the count.
+      with server.lock:
+        server.inflight -= 1
+      done = True
       data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
       self.send_response(status)
       self.send_header("Content-Type", "application/json")
@@ -136,8 +142,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     except (BrokenPipeError, ConnectionResetError):
       pass  # the client gave up (timeout test)
     finally:
-      with server.lock:
-        server.inflight -= 1
+      if not done:
+        with server.lock:
+          server.inflight -= 1
 
   def log_message(self, *args):
     pass

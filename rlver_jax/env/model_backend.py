@@ -32,6 +32,7 @@ class ModelBackend(HistoryBackend):
     self.cache = None
     self.logits = None
     self.closed: list[bool] = []  # per row: whether the last generated turn ended with a stop id
+    self.tokens: list[list[int]] = []  # per row: every token id in its cache, in order
     self.generated_tokens = 0
 
   def reset(self, num_rows: int) -> None:
@@ -41,6 +42,7 @@ class ModelBackend(HistoryBackend):
     self.cache = self.cache.with_lengths(np.zeros(num_rows, np.int32))
     self.logits = self.sampler.empty_logits(num_rows)
     self.closed = [True] * num_rows
+    self.tokens = [[] for _ in range(num_rows)]
 
   def _tokens_for(self, r: SimRequest) -> list[int]:
     ids: list[int] = []
@@ -57,6 +59,7 @@ class ModelBackend(HistoryBackend):
     active = np.zeros(B, bool)
     for r in requests:
       rows[r.row] = self._tokens_for(r)
+      self.tokens[r.row] += rows[r.row]
       active[r.row] = True
     try:
       self.cache, self.logits = self.sampler.append(self.params, self.cache, rows, self.logits)
@@ -70,6 +73,7 @@ class ModelBackend(HistoryBackend):
     out = []
     for r in requests:
       ids = res.row(r.row)
+      self.tokens[r.row] += ids
       self.closed[r.row] = bool(res.stopped[r.row])
       self.generated_tokens += len(ids)
       text = self.chat.decode(ids, skip_special_tokens=True).strip()

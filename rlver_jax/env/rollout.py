@@ -23,6 +23,7 @@ from rlver_jax.env.simulator import SimulatedUsers
 from rlver_jax.models.tokenizer import ChatTokens
 from rlver_jax.sampling.sampler import Sampler
 from rlver_jax.sampling.strategies import SamplingParams
+from rlver_jax.sharding import host_array
 
 REWARD_MODES = ("terminal", "per_turn")
 
@@ -142,7 +143,7 @@ def run_dialogues(profiles: Sequence[Profile], group_ids: Sequence[int], users: 
     res = sampler.decode(params, cache, logits, rng=key, max_new_tokens=cfg.max_new_tokens,
                          sampling=sampling, active=active)
     cache = res.cache
-    lengths = np.asarray(jax.device_get(cache.lengths)).copy()
+    lengths = host_array(cache.lengths).copy()
     replies, appends = [], [[] for _ in range(B)]
     for b in live:
       gen = res.row(b)

@@ -125,16 +125,25 @@ class Qwen2(nnx.Module):
   def cached_hidden_states(self, input_ids, positions, cache_k, cache_v, lengths, window: int):
     """Runs T new tokens per row after each row's cached `lengths`; returns (hidden, k, v).
 
-    input_ids/positions [B, T] (rows right-padded; padded tokens are written past the row's new length
-    and never attended by real tokens); cache_k/v [L, B, S, K, Dh]. Attention reads only the first
-    `window` (static) cache slots, so its cost follows the filled length, not S.
+    input_ids/positions [B, T] (rows right-padded; padded tokens land past the row's new length and
+    are never attended by real tokens); cache_k/v [L, B, S, K, Dh]. Each layer attends to the first
+    `window` (static) cache slots plus the new tokens, so its cost follows the filled length, not S.
+    The cache is only read inside the layer scan; the new keys/values of all layers are written with
+    one scatter afterwards (in place on a donated buffer).
     """
     B, T = input_ids.shape
     slot = lengths[:, None] + jnp.arange(T)[None, :]                    # [B, T] where each token lands
-    keys = jnp.arange(window)
-    mask = keys[None, None, :] <= slot[:, :, None]                      # causal over the cache window
+    old = jnp.arange(window)[None, None, :] < lengths[:, None, None]    # [B, 1, W] filled slots
+    new = jnp.arange(T)[None, :, None] >= jnp.arange(T)[None, None, :]  # [1, T, T] causal
+    mask = jnp.concatenate([jnp.broadcast_to(old, (B, T, window)),
+                            jnp.broadcast_to(new, (B, T, T))], axis=-1)
     x = self._embed(input_ids)
-    x, (cache_k, cache_v) = self._run_layers(x, positions, mask, cache=(cache_k, cache_v, slot, window))
+    x, (new_k, new_v) = self._run_layers(x, positions, mask,
+                                         cache=(cache_k[:, :, :window], cache_v[:, :, :window]))
+    rows = jnp.arange(B)[:, None]
+    # Out-of-range slots (padding past the preallocated end) are dropped; real ones are kept in range.
+    cache_k = cache_k.at[:, rows, slot].set(new_k.astype(cache_k.dtype), mode="drop")
+    cache_v = cache_v.at[:, rows, slot].set(new_v.astype(cache_v.dtype), mode="drop")
     return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps), cache_k, cache_v
 
   def logits(self, hidden: jax.Array) -> jax.Array:
@@ -170,17 +179,13 @@ class Qwen2(nnx.Module):
       x, _ = jax.lax.scan(body, x, layer_params)
       return x, None
 
-    cache_k, cache_v, slot, window = cache
+    def body_cached(h, p_kv):
+      p, k_w, v_w = p_kv
+      h, kv = block(h, p, cos, sin, mask, (k_w, v_w))
+      return h, kv
 
-    def body_cached(carry, p_i):
-      h, ck, cv = carry
-      p, i = p_i
-      h, (ck, cv) = block(h, p, cos, sin, mask, (ck, cv, i, slot, window))
-      return (h, ck, cv), None
-
-    idx = jnp.arange(c.num_layers)
-    (x, cache_k, cache_v), _ = jax.lax.scan(body_cached, (x, cache_k, cache_v), (layer_params, idx))
-    return x, (cache_k, cache_v)
+    x, new_kv = jax.lax.scan(body_cached, x, (layer_params,) + tuple(cache))
+    return x, new_kv
 
 
 def default_positions(segment_ids: jax.Array) -> jax.Array:
@@ -216,7 +221,11 @@ def _proj(x, w, dtype, spec: str):
 
 
 def _block(x, p, cos, sin, mask, cache, *, config: Qwen2Config, dtype):
-  """One decoder layer. mask [B, T, S_keys]. cache: (k_all, v_all, layer, slot, window) or None."""
+  """One decoder layer. mask [B, T, keys]; cache: this layer's (k, v) window [B, W, K, Dh] or None.
+
+  With a cache, attention runs over [cached window ; new tokens] and the new tokens' (k, v) are
+  returned for the caller to write; without, over the new tokens only.
+  """
   c = config
   h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
   q = _proj(h, p["wq"], dtype, "btd,dhk->bthk")
@@ -227,17 +236,11 @@ def _block(x, p, cos, sin, mask, cache, *, config: Qwen2Config, dtype):
   q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "act_heads", None))
   k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "act_kv_heads", None))
   v = constrain(v, ("batch", "seq", "act_kv_heads", None))
-  new_cache = None
+  new_kv = None
   if cache is not None:
-    k_all, v_all, layer, slot, window = cache
-    B = x.shape[0]
-    rows = jnp.arange(B)[:, None]
-    # Out-of-range slots (padding past the preallocated end) are dropped; callers keep real ones in range.
-    k_all = k_all.at[layer, rows, slot].set(k.astype(k_all.dtype), mode="drop")
-    v_all = v_all.at[layer, rows, slot].set(v.astype(v_all.dtype), mode="drop")
-    k = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)[:, :window].astype(dtype)
-    v = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)[:, :window].astype(dtype)
-    new_cache = (k_all, v_all)
+    new_kv = (k, v)
+    k = jnp.concatenate([cache[0].astype(dtype), k], axis=1)
+    v = jnp.concatenate([cache[1].astype(dtype), v], axis=1)
   attn = attention(q, k, v, mask)
   x = x + _proj(attn, p["wo"], dtype, "bthk,hkd->btd")
   x = constrain(x, ("batch", "seq", "act_embed"))
@@ -246,7 +249,7 @@ def _block(x, p, cos, sin, mask, cache, *, config: Qwen2Config, dtype):
   up = _proj(h, p["w_up"], dtype, "btd,df->btf")
   act = constrain(jax.nn.silu(gate.astype(_F32)).astype(dtype) * up, ("batch", "seq", "act_mlp"))
   x = x + _proj(act, p["w_down"], dtype, "btf,fd->btd")
-  return constrain(x, ("batch", "seq", "act_embed")), new_cache
+  return constrain(x, ("batch", "seq", "act_embed")), new_kv
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

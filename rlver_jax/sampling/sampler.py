@@ -20,12 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from rlver_jax.models.qwen2 import Qwen2
 from rlver_jax.sampling.kv_cache import KVCache
 from rlver_jax.sampling.strategies import SamplingParams, sample
-from rlver_jax.sharding import DEFAULT_RULES
+from rlver_jax.sharding import DEFAULT_RULES, host_array as _host
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
@@ -54,10 +53,6 @@ class DecodeResult:
 
   def row(self, b: int) -> list[int]:
     return self.tokens[b, : self.num_tokens[b]].tolist()
-
-
-def _host(x) -> np.ndarray:
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _append_fn(graphdef, params, cache: KVCache, tokens_BxT, num_new_B, prev_logits_BxV, *, window):
@@ -145,7 +140,7 @@ class Sampler:
 
   def prefill(self, params, cache: KVCache, rows: Sequence[Sequence[int]]):
     """Empties the cache and fills each row with its own tokens. Returns (cache, last logits [B, V])."""
-    return self.append(params, cache.with_lengths(jnp.zeros_like(cache.lengths)), rows)
+    return self.append(params, cache.with_lengths(np.zeros(cache.batch_size, np.int32)), rows)
 
   def append(self, params, cache: KVCache, rows: Sequence[Sequence[int]], prev_logits=None):
     """Appends rows[b] after row b's cached tokens (an empty list leaves the row untouched).

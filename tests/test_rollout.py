@@ -1,0 +1,198 @@
+"""The dialogue runner: token-in/token-out against the chat template, loss masks, row pairing, rewards,
+and the co-located model backend's append-only cache."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rlver_jax.env.backends import ScriptedBackend
+from rlver_jax.env.chat import policy_system_prompt
+from rlver_jax.env.model_backend import ModelBackend
+from rlver_jax.env.profiles import load_demo_profiles
+from rlver_jax.env.rollout import RolloutConfig, run_dialogues
+from rlver_jax.env.simulator import SimulatedUsers
+from rlver_jax.models import load_pretrained
+from rlver_jax.models.factory import create_model
+from rlver_jax.models.presets import Qwen2Config
+from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
+from rlver_jax.sampling.sampler import Sampler
+from rlver_jax.sampling.strategies import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def smol():
+  from rlver_jax.models.embedded import embedded_model_dir
+  path = embedded_model_dir()
+  return path, ChatTokens(load_tokenizer(path))
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(smol):
+  """A 1-layer random model over SmolLM2's vocabulary: fast, and its outputs are arbitrary ids."""
+  _, chat = smol
+  cfg = Qwen2Config(vocab_size=49152, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                    num_kv_heads=1, head_dim=16, tie_word_embeddings=True, qkv_bias=False)
+  model = create_model(cfg, dtype=jnp.float32, seed=3, init_std=0.5)
+  sampler = Sampler(model, max_len=1024, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
+                    append_buckets=(64, 512))
+  return model, sampler
+
+
+def _rollout(smol, tiny_policy, cfg, profiles, max_turns=3, seed=0):
+  _, chat = smol
+  model, sampler = tiny_policy
+  users = SimulatedUsers(profiles, ScriptedBackend(), start_emotion=30, max_turns=max_turns)
+  return run_dialogues(profiles, list(range(len(profiles))), users, sampler=sampler,
+                       params=nnx.state(model), chat=chat, cfg=cfg, rng=jax.random.key(seed)), users
+
+
+def _expected(chat, messages, assistant_ids):
+  """Template tokens of `messages`, with each assistant content replaced by the sampled ids.
+
+  Returns (tokens, mask) where mask is 1 exactly on the sampled ids (the closing <|im_end|> counts as
+  sampled when the sampler produced it).
+  """
+  tok = chat.tokenizer
+  marks = []
+  msgs = []
+  for m in messages:
+    if m["role"] == "assistant" and m.get("sampled"):
+      marks.append(f"\x00A{len(marks)}\x00")
+      msgs.append({"role": "assistant", "content": marks[-1]})
+    else:
+      msgs.append({"role": m["role"], "content": m["content"]})
+  text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=messages[-1]["role"] == "user")
+  tokens, mask = [], []
+  for i, mark in enumerate(marks + [None]):
+    piece, _, text = text.partition(mark) if mark else (text, "", "")
+    ids = tok.encode(piece, add_special_tokens=False)
+    if i > 0 and assistant_ids[i - 1][-1] == chat.im_end:
+      assert ids[0] == chat.im_end  # the template's closing tag is the sampler's own stop token
+      ids = ids[1:]
+    tokens += ids
+    mask += [0] * len(ids)
+    if mark:
+      tokens += assistant_ids[i]
+      mask += [1] * len(assistant_ids[i])
+  return tokens, mask
+
+
+def _spans(mask):
+  """[start, end) of each run of 1s."""
+  out, start = [], None
+  for i, m in enumerate(list(mask) + [0]):
+    if m and start is None:
+      start = i
+    if not m and start is not None:
+      out.append((start, i))
+      start = None
+  return out
+
+
+def test_tokens_equal_template_rendering_no_think(smol, tiny_policy):
+  _, chat = smol
+  cfg = RolloutConfig(think=False, max_new_tokens=12, temperature=1.0)
+  profiles = load_demo_profiles()[:3]
+  dialogues, _ = _rollout(smol, tiny_policy, cfg, profiles)
+  for d in dialogues:
+    assert len(d.samples) == 1
+    s = d.samples[0]
+    gen = [s.tokens[a:b] for a, b in _spans(s.loss_mask)]
+    assert len(gen) == len(d.policy_replies)
+    messages = [{"role": "system", "content": policy_system_prompt(False, "en")}]
+    for i, user in enumerate(d.user_lines):
+      messages.append({"role": "user", "content": user})
+      if i < len(d.policy_replies):
+        messages.append({"role": "assistant", "sampled": True})
+    # The trajectory ends after the last policy turn (a final user line is never appended).
+    if messages[-1]["role"] == "user":
+      messages.pop()
+    tokens, mask = _expected(chat, messages, gen)
+    n = len(s.tokens)
+    assert s.tokens == tokens[:n]
+    assert s.loss_mask == mask[:n]
+    # Log-probs exist exactly on sampled tokens.
+    assert all((lp != 0.0) == bool(m) for lp, m in zip(s.sampler_logp, s.loss_mask) if m)
+    assert all(lp == 0.0 for lp, m in zip(s.sampler_logp, s.loss_mask) if not m)
+
+
+def test_think_mode_splits_turns_and_drops_thoughts(smol, tiny_policy):
+  _, chat = smol
+  cfg = RolloutConfig(think=True, keep_thoughts=False, max_new_tokens=10, temperature=1.0)
+  profiles = load_demo_profiles()[3:5]
+  dialogues, _ = _rollout(smol, tiny_policy, cfg, profiles, max_turns=2, seed=1)
+  for d in dialogues:
+    assert len(d.samples) == len(d.policy_replies)
+    for t, s in enumerate(d.samples):
+      # Context: the history with visible replies only (canonical re-encoding), then the raw output.
+      messages = [{"role": "system", "content": policy_system_prompt(True, "en")}]
+      for i in range(t + 1):
+        messages.append({"role": "user", "content": d.user_lines[i]})
+        if i < t:
+          messages.append({"role": "assistant", "content": d.policy_replies[i]})
+      spans = _spans(s.loss_mask)
+      assert len(spans) == 1 and spans[0][1] == len(s.tokens)
+      context = chat.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+      context = list(context["input_ids"] if hasattr(context, "keys") else context)
+      assert s.tokens[: spans[0][0]] == context
+      assert s.token_rewards == {len(s.tokens) - 1: d.reward}
+
+
+def test_rows_keep_their_dialogue_and_rewards(smol, tiny_policy):
+  cfg = RolloutConfig(think=False, max_new_tokens=8)
+  profiles = load_demo_profiles()
+  dialogues, users = _rollout(smol, tiny_policy, cfg, profiles, max_turns=4, seed=2)
+  for b, d in enumerate(dialogues):
+    rec = users.records[b]
+    assert d.profile.id == profiles[b].id == rec.profile.id
+    assert d.user_lines == rec.replies and d.policy_replies == rec.policy_replies
+    assert d.reward == pytest.approx(max(rec.emotion / 100, 0.0))
+    assert d.emotions[0] == 30 and d.emotions[-1] == d.final_emotion
+    assert np.sum(d.changes) == d.final_emotion - 30 or d.final_emotion in (0, 100)
+    # The backend's context for this row holds this row's profile and the replies it was sent.
+    history = users.backend.history(b)
+    assert profiles[b].player[:40] in history[0]["content"]
+    sent = [m["content"] for m in history if m["role"] == "user"]
+    for reply in d.policy_replies:
+      assert any(reply in m for m in sent)
+
+
+def test_per_turn_rewards_sum_to_the_emotion_change(smol, tiny_policy):
+  cfg = RolloutConfig(think=False, max_new_tokens=8, reward_mode="per_turn")
+  dialogues, _ = _rollout(smol, tiny_policy, cfg, load_demo_profiles()[:2], max_turns=3, seed=4)
+  for d in dialogues:
+    s = d.samples[0]
+    assert sorted(s.token_rewards) == s.turn_ends
+    assert sum(s.token_rewards.values()) == pytest.approx(sum(d.changes) / 100)
+
+
+def test_colocated_model_backend_two_dialogues(smol):
+  path, chat = smol
+  model, _ = load_pretrained(path, dtype=jnp.float32)
+  params = nnx.state(model)
+  sim_sampler = Sampler(model, max_len=2048, stop_ids=chat.stop_ids, pad_id=chat.pad_id)
+  backend = ModelBackend(sim_sampler, params, chat, max_new_tokens=8,
+                         sampling=SamplingParams.make(0.7, 0.9), seed=0)
+  policy_sampler = Sampler(model, max_len=1024, stop_ids=chat.stop_ids, pad_id=chat.pad_id)
+  profiles = load_demo_profiles()[:2]
+  users = SimulatedUsers(profiles, backend, start_emotion=30, max_turns=2, max_parse_retries=0)
+  cfg = RolloutConfig(think=False, max_new_tokens=8)
+  dialogues = run_dialogues(profiles, [0, 1], users, sampler=policy_sampler, params=params, chat=chat,
+                            cfg=cfg, rng=jax.random.key(0))
+  assert all(d.termination in ("max_turns", "goodbye", "emotion_zero", "emotion_full") for d in dialogues)
+  assert all(1 <= len(d.policy_replies) <= 2 for d in dialogues)
+  # Append-only: each row's cache holds exactly its token history, and the incremental cache gives
+  # the same next-token logits as prefilling that history from scratch.
+  lengths = np.asarray(backend.cache.lengths)
+  assert [len(t) for t in backend.tokens] == lengths.tolist()
+  fresh = Sampler(model, max_len=2048, stop_ids=chat.stop_ids, pad_id=chat.pad_id)
+  cache, ref_logits = fresh.prefill(params, fresh.init_cache(2), backend.tokens)
+  probe = [chat.encode("\n") for _ in range(2)]
+  _, inc = backend.sampler.append(params, backend.cache, probe)
+  _, full = fresh.append(params, cache, probe)
+  np.testing.assert_allclose(np.asarray(inc), np.asarray(full), atol=2e-3, rtol=1e-4)
+  # The history starts with this row's own system prompt.
+  for b in range(2):
+    text = chat.decode(backend.tokens[b][:400])
+    assert profiles[b].player.split()[0] in text or profiles[b].player[:20] in text

@@ -1,0 +1,19 @@
+"""RLVER PPO, no-think mode: Qwen2.5-7B-Instruct policy, the paper's settings.
+
+Launch (TPU pod slice; every worker runs the same command):
+  python -m rlver_jax.main --config=configs/ppo_nothink.py --workdir=gs://BUCKET/runs/ppo_nothink \
+    --config.policy.checkpoint=gs://BUCKET/models/Qwen2.5-7B-Instruct \
+    --config.simulator.checkpoint=gs://BUCKET/models/Qwen2.5-72B-Instruct \
+    --config.data.profiles=gs://BUCKET/data/train_profile.jsonl
+Challenging simulator: --config=configs/ppo_nothink.py:simulator=challenging
+On a CPU machine with the embedded model: python -m rlver_jax.main --config=configs/ppo_nothink.py:runlocal
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import base  # noqa: E402
+
+
+def get_config(arg=None):
+  return base.get_base_config("ppo", think=False, arg=arg)

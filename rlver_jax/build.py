@@ -1,0 +1,130 @@
+"""From a run's ConfigDict to typed settings and live components (mesh, models, samplers, simulator).
+
+This is the one place that reads the ConfigDict for training and evaluation; everything below it
+sees frozen dataclasses or plain arguments.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import ml_collections
+from etils import epath
+from flax import nnx
+
+from rlver_jax.env import backends as sim_backends
+from rlver_jax.env.model_backend import ModelBackend
+from rlver_jax.env.profiles import Profile, load_demo_profiles, load_profiles
+from rlver_jax.env.rollout import RolloutConfig
+from rlver_jax.models import load_pretrained
+from rlver_jax.models.presets import param_dtype_of
+from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
+from rlver_jax.rl.update import LossConfig, OptimConfig
+from rlver_jax.sampling.sampler import Sampler
+from rlver_jax.sampling.strategies import SamplingParams
+from rlver_jax.sharding import MeshConfig, make_mesh
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message names the key."""
+
+
+def mesh_from(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+  m = config.mesh
+  try:
+    return make_mesh(MeshConfig(data=m.data, fsdp=m.fsdp, tensor=m.tensor))
+  except ValueError as e:
+    raise ConfigError(f"config.mesh: {e}") from e
+
+
+def resolve_checkpoint(path: str, key: str) -> str:
+  """'embedded' -> the converted embedded model; otherwise the path, which must exist."""
+  if path == "embedded":
+    from rlver_jax.models.embedded import embedded_model_dir
+    return embedded_model_dir()
+  if not path:
+    raise ConfigError(f"config.{key} is empty: give an HF safetensors directory or 'embedded'")
+  if not path.startswith("gs://") and not os.path.isdir(path):
+    raise ConfigError(f"config.{key}: checkpoint directory {path} does not exist")
+  if not epath.Path(path).joinpath("config.json").exists():
+    raise ConfigError(f"config.{key}: {path} has no config.json (not an HF checkpoint directory)")
+  return path
+
+
+def profiles_from(path: str) -> list[Profile]:
+  if path == "demo":
+    return load_demo_profiles()
+  if not path.startswith("gs://") and not os.path.exists(path):
+    raise ConfigError(f"config.data.profiles: profile file {path} does not exist")
+  return load_profiles(path)
+
+
+def rollout_config(config, *, eval_mode: bool = False) -> RolloutConfig:
+  p = config.policy
+  return RolloutConfig(think=p.think, keep_thoughts=p.keep_thoughts, max_new_tokens=p.max_new_tokens,
+                       temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                       reward_mode="terminal" if eval_mode else config.rl.reward_mode,
+                       format_penalty=False if eval_mode else config.rl.format_penalty,
+                       language=p.language or None)
+
+
+def loss_config(config) -> LossConfig:
+  r = config.rl
+  return LossConfig(clip_low=r.clip_low, clip_high=r.clip_high, dual_clip=r.dual_clip or None,
+                    agg=r.loss_agg, entropy_coef=r.entropy_coef,
+                    kl_coef=0.0 if r.kl_in_reward else r.kl_coef, kl_kind=r.kl_kind,
+                    tis_cap=r.tis_cap or None, value_clip=r.value_clip or None,
+                    logits_chunk=r.logits_chunk)
+
+
+def optim_config(config, critic: bool = False) -> OptimConfig:
+  o = config.optim
+  return OptimConfig(learning_rate=o.critic_lr if critic else o.actor_lr, warmup_steps=o.warmup_steps,
+                     b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, grad_clip=o.grad_clip)
+
+
+def load_policy(config, mesh):
+  """(model, chat tokens, checkpoint dir) for the policy: fp32 master params, compute dtype separate."""
+  path = resolve_checkpoint(config.policy.checkpoint, "policy.checkpoint")
+  model, _ = load_pretrained(path, dtype=param_dtype_of(config.policy.compute_dtype), mesh=mesh,
+                             param_dtype=param_dtype_of(config.policy.param_dtype),
+                             remat=config.policy.remat)
+  return model, ChatTokens(load_tokenizer(path)), path
+
+
+def load_critic(config, mesh, policy_path: str):
+  path = (resolve_checkpoint(config.critic.checkpoint, "critic.checkpoint")
+          if config.critic.checkpoint else policy_path)
+  model, _ = load_pretrained(path, dtype=param_dtype_of(config.policy.compute_dtype), mesh=mesh,
+                             param_dtype=param_dtype_of(config.policy.param_dtype), head="value",
+                             remat=config.policy.remat)
+  return model
+
+
+def policy_sampler(model, chat: ChatTokens, config, mesh) -> Sampler:
+  return Sampler(model, max_len=config.policy.max_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
+                 mesh=mesh)
+
+
+def simulator_backend(config, mesh):
+  """The simulated user's text generator named by config.simulator.backend (its own frozen weights)."""
+  s = config.simulator
+  if s.backend == "scripted":
+    return sim_backends.ScriptedBackend()
+  if s.backend == "http":
+    if not s.http_base_url or not s.http_model:
+      raise ConfigError("config.simulator.http_base_url and config.simulator.http_model are required "
+                        "for the http simulator backend")
+    return sim_backends.OpenAIChatBackend(
+        s.http_base_url, s.http_model, api_key_env=s.http_api_key_env, temperature=s.temperature,
+        top_p=s.top_p, max_tokens=s.max_new_tokens, timeout_s=s.http_timeout_s,
+        max_attempts=s.http_max_attempts, max_concurrency=s.http_max_concurrency)
+  if s.backend != "model":
+    raise ConfigError(f"config.simulator.backend: unknown backend {s.backend!r} "
+                      "(expected 'model', 'http' or 'scripted')")
+  path = resolve_checkpoint(s.checkpoint, "simulator.checkpoint")
+  model, _ = load_pretrained(path, dtype=param_dtype_of(s.dtype), mesh=mesh)
+  chat = ChatTokens(load_tokenizer(path))
+  sampler = Sampler(model, max_len=s.max_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id, mesh=mesh)
+  return ModelBackend(sampler, nnx.state(model), chat, max_new_tokens=s.max_new_tokens,
+                      sampling=SamplingParams.make(s.temperature, s.top_p, s.top_k), seed=config.seed + 1)

@@ -1,0 +1,47 @@
+r"""Train a policy with RLVER.
+
+  python -m rlver_jax.main --config=configs/grpo_think.py[:runlocal] [--workdir=DIR]
+
+Re-running the same command resumes from WORKDIR/checkpoints. Config values are overridden with
+--config.KEY=VALUE (see configs/base.py for every key).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from rlver_jax import distributed
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/grpo_think.py.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (local or gs://); default ./runs/NAME-TIME.")
+flags.mark_flags_as_required(["config"])
+
+
+def _default_workdir() -> str:
+  name = os.path.splitext(os.path.basename(_CONFIG.config_filename.split(":")[0]))[0]
+  return os.path.join("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  distributed.initialize()
+  from rlver_jax import train  # after distributed init: imports may touch devices
+  workdir = _WORKDIR.value or _default_workdir()
+  try:
+    paths = train.run(_CONFIG.value, workdir)
+  except (ValueError, FileNotFoundError) as e:  # bad input: one line, non-zero exit
+    logging.debug("error", exc_info=True)
+    sys.exit(f"error: {e}")
+  print(f"\nrun finished at step {paths.pop('step')}; outputs under {workdir}:")
+  for k, v in paths.items():
+    print(f"  {k:12s} {v}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,298 @@
+"""The RLVER training loop: profiles -> rollout -> rewards -> advantages -> fused update -> metrics ->
+checkpoint, with periodic evaluation on held-out profiles.
+
+Shape legend for packed batches: N samples (rows), M micro-batches, B rows per micro-batch, T tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from rlver_jax import build
+from rlver_jax.checkpoint import Checkpointer, PreemptionGuard, abstract_like
+from rlver_jax.env.evaluation import summarize
+from rlver_jax.env.profiles import ProfileSampler, repeat_for_groups, split_holdout
+from rlver_jax.env.rollout import Dialogue, RolloutStats, run_dialogues
+from rlver_jax.env.simulator import SimulatedUsers
+from rlver_jax.metrics import MetricsWriter
+from rlver_jax.rl import advantages as adv_lib
+from rlver_jax.rl.update import Updater, make_optimizer, token_logprobs_and_entropy, token_values
+from rlver_jax.run_config import check_workdir_config
+from rlver_jax.sharding import DEFAULT_RULES, global_array, host_array
+
+SEQ_MULTIPLE = 64  # packed lengths are rounded up to this, so few update programs are compiled
+
+
+@dataclasses.dataclass
+class Packed:
+  """Samples padded into [N, T] arrays (N a multiple of the micro-batch layout)."""
+  tokens: np.ndarray
+  segment_ids: np.ndarray
+  loss_mask: np.ndarray
+  rollout_logp: np.ndarray
+  rewards: np.ndarray
+  dialogue: np.ndarray   # [N] dialogue index per row (-1: padding)
+  num_real: int
+
+
+def pack(dialogues: list[Dialogue], rows_multiple: int, pad_id: int) -> Packed:
+  samples = [s for d in dialogues for s in d.samples]
+  n = max(len(samples), 1)
+  N = -(-n // rows_multiple) * rows_multiple
+  T = -(-max(len(s.tokens) for s in samples) // SEQ_MULTIPLE) * SEQ_MULTIPLE if samples else SEQ_MULTIPLE
+  out = Packed(np.full((N, T), pad_id, np.int32), np.zeros((N, T), np.int32),
+               np.zeros((N, T), np.float32), np.zeros((N, T), np.float32),
+               np.zeros((N, T), np.float32), np.full((N,), -1, np.int32), len(samples))
+  index = {id(d): i for i, d in enumerate(dialogues)}
+  owner = [index[id(d)] for d in dialogues for _ in d.samples]
+  for i, s in enumerate(samples):
+    L = len(s.tokens)
+    out.tokens[i, :L] = s.tokens
+    out.segment_ids[i, :L] = 1
+    out.loss_mask[i, :L] = s.loss_mask
+    out.rollout_logp[i, :L] = s.sampler_logp
+    for t, r in s.token_rewards.items():
+      out.rewards[i, t] = r
+    out.dialogue[i] = owner[i]
+  return out
+
+
+class Trainer:
+  """Holds the models, optimizers, samplers and the run's state; `run` drives the loop."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    self.config = config
+    self.workdir = workdir
+    check_workdir_config(config, workdir)
+    self.mesh = build.mesh_from(config)
+    profiles = build.profiles_from(config.data.profiles)
+    self.train_profiles, self.holdout = split_holdout(profiles, config.data.num_holdout, config.seed)
+    if not self.train_profiles:
+      raise build.ConfigError(f"config.data.num_holdout={config.data.num_holdout} leaves no training "
+                              f"profiles out of {len(profiles)}")
+    self.profile_sampler = ProfileSampler(self.train_profiles, seed=config.seed)
+    with jax.set_mesh(self.mesh):
+      self.policy, self.chat, self.policy_path = build.load_policy(config, self.mesh)
+      self.sampler = build.policy_sampler(self.policy, self.chat, config, self.mesh)
+      self.backend = build.simulator_backend(config, self.mesh)
+      loss_cfg = build.loss_config(config)
+      self.policy_up = Updater(self.policy, make_optimizer(build.optim_config(config)), "policy", loss_cfg)
+      self.state: dict[str, Any] = {"policy": nnx.state(self.policy, nnx.Param)}
+      self.state["policy_opt"] = self.policy_up.init(self.state["policy"])
+      self.critic = None
+      if config.algo == "ppo":
+        self.critic = build.load_critic(config, self.mesh, self.policy_path)
+        self.critic_up = Updater(self.critic, make_optimizer(build.optim_config(config, critic=True)),
+                                 "value", loss_cfg)
+        self.state["critic"] = nnx.state(self.critic, nnx.Param)
+        self.state["critic_opt"] = self.critic_up.init(self.state["critic"])
+      elif config.algo != "grpo":
+        raise build.ConfigError(f"config.algo: unknown algorithm {config.algo!r} (expected grpo or ppo)")
+      self.ref = (jax.tree.map(jnp.copy, self.state["policy"]) if config.rl.kl_coef > 0 else None)
+    # Replicated over the mesh like every other state leaf, so a restored key lives on the same devices.
+    self.state["rng"] = global_array(jax.random.key_data(jax.random.key(config.seed)),
+                                     NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+    self.step = 0
+    self.checkpointer = Checkpointer(workdir, every_steps=config.checkpoint.every_steps,
+                                     keep=config.checkpoint.keep)
+    self.writer = MetricsWriter(workdir)
+    self._logp_fn = jax.jit(self._old_logp)
+    self._value_fn = jax.jit(self._old_values)
+
+  # -- state -------------------------------------------------------------------------------------
+
+  def restore_if_any(self) -> bool:
+    if self.checkpointer.latest_step() is None:
+      return False
+    state, meta = self.checkpointer.restore(abstract_like(self.state))
+    self.state = state
+    self.step = int(meta["step"])
+    self.profile_sampler.load_state_dict(meta["profile_sampler"])
+    logging.info("resumed from step %d", self.step)
+    return True
+
+  def save(self) -> None:
+    meta = {"step": self.step, "profile_sampler": self.profile_sampler.state_dict(),
+            "config": self.config.to_dict()}
+    self.checkpointer.save(self.step, self.state, meta)
+
+  # -- one step ----------------------------------------------------------------------------------
+
+  def rollout(self, rng) -> tuple[list[Dialogue], RolloutStats]:
+    c = self.config
+    profiles = self.profile_sampler.next_batch(c.rl.profiles_per_step)
+    profiles, groups = repeat_for_groups(profiles, c.rl.group_size)
+    s = c.simulator
+    users = SimulatedUsers(profiles, self.backend, style=s.style, start_emotion=s.start_emotion,
+                           max_turns=s.max_turns, max_parse_retries=s.max_parse_retries)
+    stats = RolloutStats()
+    dialogues = run_dialogues(profiles, groups, users, sampler=self.sampler, params=self.state["policy"],
+                              chat=self.chat, cfg=build.rollout_config(c), rng=rng, stats=stats)
+    return dialogues, stats
+
+  def _old_logp(self, params, tokens, seg):
+    model = nnx.merge(self.policy_up.graphdef, params, self.policy_up.rest)
+    return jax.lax.map(lambda a: token_logprobs_and_entropy(model, a[0], a[1],
+                                                            self.config.rl.logits_chunk)[0], (tokens, seg))
+
+  def _old_values(self, params, tokens, seg):
+    model = nnx.merge(self.critic_up.graphdef, params, self.critic_up.rest)
+    return jax.lax.map(lambda a: token_values(model, a[0], a[1]), (tokens, seg))
+
+  def _device(self, x: np.ndarray) -> jax.Array:
+    """[M, B, ...] host array -> device array with B over the batch mesh axes."""
+    axes = (None, "batch") + (None,) * (x.ndim - 2)
+    return global_array(x, NamedSharding(self.mesh, DEFAULT_RULES.spec(axes, x.shape, self.mesh)))
+
+  def make_batch(self, dialogues: list[Dialogue]) -> tuple[dict[str, jax.Array], dict[str, float]]:
+    c = self.config
+    mb, M = c.rl.micro_batch_size, c.rl.mini_batches
+    p = pack(dialogues, mb * M, self.chat.pad_id)
+    N, T = p.tokens.shape
+    shape = (N // mb, mb, T)
+    tokens, seg = self._device(p.tokens.reshape(shape)), self._device(p.segment_ids.reshape(shape))
+    old_logp = self._logp_fn(self.state["policy"], tokens, seg)
+    batch = {"tokens": tokens, "segment_ids": seg, "loss_mask": self._device(p.loss_mask.reshape(shape)),
+             "old_logp": old_logp, "rollout_logp": self._device(p.rollout_logp.reshape(shape))}
+    mask = p.loss_mask
+    extra = {}
+    if self.ref is not None:
+      ref_logp = host_array(self._logp_fn(self.ref, tokens, seg)).reshape(N, T)
+      kl = host_array(old_logp).reshape(N, T) - ref_logp
+      extra["kl_ref"] = float((kl * mask).sum() / max(mask.sum(), 1))
+      if c.rl.kl_in_reward:
+        p.rewards -= c.rl.kl_coef * kl * mask
+      else:
+        batch["ref_logp"] = self._device(ref_logp.reshape(shape))
+    rewards = np.array([d.reward for d in dialogues], np.float32)
+    if c.algo == "grpo":
+      groups = np.array([d.group_id for d in dialogues], np.int32)
+      per_dialogue = np.asarray(adv_lib.grpo_advantages(
+          jnp.asarray(rewards), jnp.asarray(groups), mean_only=c.rl.grpo_mean_only))
+      per_row = np.where(p.dialogue >= 0, per_dialogue[np.maximum(p.dialogue, 0)], 0.0)
+      adv = per_row[:, None] * mask
+      batch["advantages"] = self._device(adv.reshape(shape).astype(np.float32))
+    else:
+      values = self._value_fn(self.state["critic"], tokens, seg)
+      v = host_array(values).reshape(N, T)
+      adv, ret = adv_lib.gae(jnp.asarray(p.rewards), jnp.asarray(v), jnp.asarray(mask),
+                             gamma=c.rl.gamma, lam=c.rl.lam)
+      if c.rl.whiten_advantages:
+        adv = adv_lib.whiten(adv, jnp.asarray(mask))
+      batch.update(advantages=self._device(np.asarray(adv).reshape(shape)), old_values=values,
+                   returns=self._device(np.asarray(ret).reshape(shape)))
+      extra["value_mean"] = float((v * mask).sum() / max(mask.sum(), 1))
+    extra["policy_tokens"] = float(mask.sum())
+    extra["samples"] = float(p.num_real)
+    return batch, extra
+
+  def update(self, batch: dict[str, jax.Array]) -> dict[str, float]:
+    c = self.config
+    M = c.rl.mini_batches
+    metrics: dict[str, list] = {}
+    for _ in range(c.rl.epochs):
+      for part in range(M):
+        mini = {k: v[part::M] for k, v in batch.items()}
+        self.state["policy"], self.state["policy_opt"], m = self.policy_up.step(
+            self.state["policy"], self.state["policy_opt"], mini)
+        if c.algo == "ppo":
+          self.state["critic"], self.state["critic_opt"], mv = self.critic_up.step(
+              self.state["critic"], self.state["critic_opt"], mini)
+          m = {**m, **{f"critic/{k}": v for k, v in mv.items()}}
+        for k, v in m.items():
+          metrics.setdefault(k, []).append(float(v))
+    return {k: float(np.mean(v)) for k, v in metrics.items()}
+
+  def train_step(self) -> dict[str, float]:
+    rng = jax.random.fold_in(jax.random.wrap_key_data(self.state["rng"]), self.step)
+    t0 = time.perf_counter()
+    with jax.set_mesh(self.mesh):
+      dialogues, stats = self.rollout(rng)
+      t1 = time.perf_counter()
+      batch, extra = self.make_batch(dialogues)
+      metrics = self.update(batch)
+    jax.block_until_ready(self.state["policy"])
+    t2 = time.perf_counter()
+    self.step += 1
+    self._last_dialogues = dialogues
+    out = summarize_rollout(dialogues)
+    out.update(metrics)
+    out.update(extra)
+    out.update(rollout_seconds=t1 - t0, update_seconds=t2 - t1,
+               rollout_fraction=(t1 - t0) / max(t2 - t0, 1e-9),
+               rollout_policy_tokens_per_s=stats.policy_tokens / max(t1 - t0, 1e-9),
+               update_tokens_per_s=float(batch["tokens"].size) * self.config.rl.epochs / max(t2 - t1, 1e-9))
+    return out
+
+
+def summarize_rollout(dialogues: list[Dialogue]) -> dict[str, float]:
+  rewards = np.array([d.reward for d in dialogues])
+  s = summarize(dialogues)
+  out = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+         "final_emotion_mean": s["score"], "success_rate": s["success_rate"],
+         "failure_rate": s["failure_rate"], "positive_rate": s["positive_rate"],
+         "turns_mean": s["mean_turns"], "parse_failures": float(s["parse_failures"]),
+         "format_violation_rate": float(np.mean([not all(d.format_ok) for d in dialogues]))}
+  for reason, n in s["terminations"].items():
+    out[f"termination/{reason}"] = n / len(dialogues)
+  return out
+
+
+def evaluate_holdout(trainer: Trainer, rng) -> dict:
+  """The current policy on the held-out profiles, with the evaluation start emotion and turn limit."""
+  c = trainer.config
+  profiles = trainer.holdout[: c.eval.num_profiles]
+  if not profiles:
+    return {}
+  users = SimulatedUsers(profiles, trainer.backend, style=c.simulator.style,
+                         start_emotion=c.eval.start_emotion, max_turns=c.eval.max_turns,
+                         max_parse_retries=c.simulator.max_parse_retries)
+  with jax.set_mesh(trainer.mesh):
+    dialogues = run_dialogues(profiles, list(range(len(profiles))), users, sampler=trainer.sampler,
+                              params=trainer.state["policy"], chat=trainer.chat,
+                              cfg=build.rollout_config(c, eval_mode=True), rng=rng)
+  s = summarize(dialogues)
+  return {f"eval/{k}": s[k] for k in ("score", "success_rate", "failure_rate", "mean_turns")}
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
+  """Trains until config.total_steps (resuming from WORKDIR/checkpoints); returns output paths."""
+  from tqdm import tqdm
+  trainer = Trainer(config, workdir)
+  trainer.restore_if_any()
+  total = config.total_steps
+  bar = tqdm(total=total, initial=trainer.step, desc="rlver", disable=not config.log.progress_bar
+             or jax.process_index() != 0)
+  with PreemptionGuard() as guard:
+    while trainer.step < total:
+      metrics = trainer.train_step()
+      step = trainer.step
+      if config.eval.every_steps and step % config.eval.every_steps == 0:
+        metrics.update(evaluate_holdout(trainer, jax.random.key(config.seed + 7)))
+      trainer.writer.write(step, metrics)
+      if config.log.transcripts_every and step % config.log.transcripts_every == 0:
+        trainer.writer.write_transcripts(step, [d.transcript() for d in trainer._last_dialogues])
+      bar.update(1)
+      bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", emotion=f"{metrics['final_emotion_mean']:.1f}")
+      preempted = guard.agreed()
+      if trainer.checkpointer.should_save(step, total) or preempted:
+        trainer.save()
+      if preempted:
+        logging.warning("SIGTERM: saved step %d, exiting", step)
+        break
+  bar.close()
+  trainer.checkpointer.close()
+  plot = trainer.writer.plot_rewards()
+  trainer.writer.close()
+  return {"metrics": str(trainer.writer.path), "checkpoints": str(trainer.checkpointer.directory),
+          "transcripts": str(trainer.writer.transcripts), "reward_plot": str(plot),
+          "tensorboard": f"{workdir}/tensorboard", "step": str(trainer.step)}

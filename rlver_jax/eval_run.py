@@ -1,0 +1,203 @@
+"""Sentient-style evaluation: profiles -> dialogues (in batches) -> summary, transcripts, plot.
+
+`run(config, workdir)` is the whole evaluation behind `python -m rlver_jax.evaluate`. The parts are
+reusable on their own (the trainer's held-out evaluation runs the same dialogues): `run_profiles`
+plays every profile once, `eval_summary` scores the dialogues, `write_outputs` writes
+WORKDIR/{eval_summary.json, transcripts.jsonl, emotion_trajectories.png, config.json}.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import time
+from typing import Sequence
+
+import jax
+import ml_collections
+import numpy as np
+from etils import epath
+from flax import nnx
+
+from rlver_jax import build
+from rlver_jax.env import simulator_prompts
+from rlver_jax.env.evaluation import summarize
+from rlver_jax.env.profiles import Profile
+from rlver_jax.env.rollout import Dialogue, RolloutConfig, run_dialogues
+from rlver_jax.env.simulator import SimulatedUsers
+from rlver_jax.models.tokenizer import ChatTokens
+from rlver_jax.sampling.sampler import Sampler
+
+SUMMARY_FILE = "eval_summary.json"
+TRANSCRIPTS_FILE = "transcripts.jsonl"
+PLOT_FILE = "emotion_trajectories.png"
+CONFIG_FILE = "config.json"
+SUCCESS_EMOTION = 100  # the paper's success: the dialogue ends at 100
+FAILURE_EMOTION = 10   # the paper's failure: the dialogue ends below 10
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+  """The simulated users' side of an evaluation (the policy side is a RolloutConfig)."""
+  style: str = "vanilla"
+  start_emotion: int = 40
+  max_turns: int = 9          # policy replies, each followed by one scored emotion update
+  max_parse_retries: int = 2
+  batch_size: int = 32        # dialogues run together
+
+
+def settings_from(config: ml_collections.ConfigDict) -> EvalSettings:
+  """Checks the evaluation keys of an eval config; ConfigError names the bad key."""
+  e, s = config.eval, config.simulator
+  languages = ("",) + simulator_prompts.LANGUAGES
+  checks = (
+      ("policy.language", config.policy.language, config.policy.language in languages,
+       f"one of {languages}"),
+      ("simulator.style", s.style, s.style in simulator_prompts.STYLES,
+       f"one of {simulator_prompts.STYLES}"),
+      ("eval.start_emotion", e.start_emotion, 0 <= e.start_emotion <= 100, "in [0, 100]"),
+      ("eval.max_turns", e.max_turns, e.max_turns >= 1, ">= 1"),
+      ("eval.batch_size", e.batch_size, e.batch_size >= 1, ">= 1"),
+      ("eval.num_profiles", e.num_profiles, e.num_profiles >= 0, ">= 0 (0 = all)"),
+      ("simulator.max_parse_retries", s.max_parse_retries, s.max_parse_retries >= 0, ">= 0"),
+  )
+  for key, value, ok, need in checks:
+    if not ok:
+      raise build.ConfigError(f"config.{key}={value!r}: must be {need}")
+  return EvalSettings(style=s.style, start_emotion=e.start_emotion, max_turns=e.max_turns,
+                      max_parse_retries=s.max_parse_retries, batch_size=e.batch_size)
+
+
+def select_profiles(profiles: Sequence[Profile], num: int, source: str) -> list[Profile]:
+  """The first `num` profiles in file order (0 = all): the same set on every run and host."""
+  if num > len(profiles):
+    raise build.ConfigError(f"config.eval.num_profiles={num}, but {source} holds only "
+                            f"{len(profiles)} profiles")
+  return list(profiles[:num] if num else profiles)
+
+
+def run_profiles(profiles: Sequence[Profile], backend, *, sampler: Sampler, params, chat: ChatTokens,
+                 rollout: RolloutConfig, settings: EvalSettings, rng: jax.Array,
+                 progress: bool = False) -> list[Dialogue]:
+  """Plays every profile once, `settings.batch_size` dialogues at a time; Dialogues in profile order.
+
+  Batch i samples with `fold_in(rng, i)`; `group_id` is the profile's index in `profiles`.
+  """
+  from tqdm import tqdm
+  bar = tqdm(total=len(profiles), desc="eval", unit="dialogue", disable=not progress)
+  dialogues: list[Dialogue] = []
+  for i, start in enumerate(range(0, len(profiles), settings.batch_size)):
+    batch = list(profiles[start:start + settings.batch_size])
+    users = SimulatedUsers(batch, backend, style=settings.style, start_emotion=settings.start_emotion,
+                           max_turns=settings.max_turns, max_parse_retries=settings.max_parse_retries)
+    dialogues += run_dialogues(batch, list(range(start, start + len(batch))), users, sampler=sampler,
+                               params=params, chat=chat, cfg=rollout, rng=jax.random.fold_in(rng, i))
+    bar.update(len(batch))
+    bar.set_postfix(score=f"{np.mean([d.final_emotion for d in dialogues]):.1f}")
+  bar.close()
+  return dialogues
+
+
+def eval_summary(dialogues: Sequence[Dialogue]) -> dict:
+  """`summarize` (score, success / failure rates, breakdowns, turns, parse failures) + format."""
+  out = summarize(dialogues)
+  out["format_violation_rate"] = float(np.mean([not all(d.format_ok) for d in dialogues]))
+  return out
+
+
+def plot_trajectories(dialogues: Sequence[Dialogue], title: str = "") -> bytes:
+  """PNG: emotion after each policy reply, one line per dialogue, the mean (carried forward after
+  a dialogue ends) in bold, the success / failure thresholds dashed."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import matplotlib.ticker
+  fig, ax = plt.subplots(figsize=(7, 4))
+  longest = max(len(d.emotions) for d in dialogues)
+  padded = np.array([d.emotions + [d.emotions[-1]] * (longest - len(d.emotions)) for d in dialogues],
+                    np.float64)
+  for d in dialogues:
+    ax.plot(range(len(d.emotions)), d.emotions, color="tab:blue", alpha=0.35, linewidth=1)
+  ax.plot(range(longest), padded.mean(0), color="black", linewidth=2.5, label="mean")
+  ax.axhline(SUCCESS_EMOTION, color="tab:green", linestyle="--", label=f"success (= {SUCCESS_EMOTION})")
+  ax.axhline(FAILURE_EMOTION, color="tab:red", linestyle="--", label=f"failure (< {FAILURE_EMOTION})")
+  ax.set_xlim(0, max(longest - 1, 1))
+  ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+  ax.set_ylim(-2, 102)
+  ax.set_xlabel("policy replies")
+  ax.set_ylabel("emotion")
+  ax.set_title(title, fontsize=9)
+  ax.grid(alpha=0.3)
+  ax.legend(loc="lower left", fontsize=8)
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+  plt.close(fig)
+  return buf.getvalue()
+
+
+def write_outputs(workdir: str, dialogues: Sequence[Dialogue], summary: dict,
+                  config: ml_collections.ConfigDict) -> dict[str, str]:
+  """Writes the four output files (process 0 only); returns their paths."""
+  root = epath.Path(workdir)
+  paths = {"summary": root / SUMMARY_FILE, "transcripts": root / TRANSCRIPTS_FILE,
+           "plot": root / PLOT_FILE, "config": root / CONFIG_FILE}
+  if jax.process_index() == 0:
+    root.mkdir(parents=True, exist_ok=True)
+    paths["summary"].write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    paths["transcripts"].write_text(
+        "".join(json.dumps(d.transcript(), ensure_ascii=False) + "\n" for d in dialogues))
+    title = (f"score {summary['score']:.1f}, success {summary['success_rate']:.0%}, "
+             f"failure {summary['failure_rate']:.0%}, {summary['num_dialogues']} dialogues")
+    paths["plot"].write_bytes(plot_trajectories(dialogues, title))
+    paths["config"].write_text(config.to_json(indent=2, sort_keys=True) + "\n")
+  return {k: str(v) for k, v in paths.items()}
+
+
+def check_workdir(workdir: str) -> None:
+  """Refuses a workdir whose config.json is not an evaluation's (a training run's, say)."""
+  path = epath.Path(workdir) / CONFIG_FILE
+  if not path.exists():
+    return
+  try:
+    saved = json.loads(path.read_text())
+  except ValueError:
+    saved = None
+  if not (isinstance(saved, dict) and "batch_size" in saved.get("eval", {}) and "rl" not in saved):
+    raise build.ConfigError(f"{path} belongs to another kind of run (a training workdir?); "
+                            "evaluate into a separate --workdir")
+
+
+def check_policy_checkpoint(path: str) -> None:
+  """A training workdir is not a policy checkpoint: point at the export step instead."""
+  if path != "embedded" and path and epath.Path(path).joinpath("checkpoints").exists():
+    raise build.ConfigError(
+        f"config.policy.checkpoint: {path} is a training workdir, not an HF checkpoint; export it "
+        f"first: python -m rlver_jax.export --workdir={path} --out=HF_DIR")
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> tuple[dict, dict[str, str]]:
+  """Evaluates config.policy on the selected profiles; returns (summary, output paths).
+
+  Every input is checked before any model loads, and nothing is written before the end, so bad
+  input leaves an existing workdir as it was.
+  """
+  settings = settings_from(config)
+  rollout = build.rollout_config(config, eval_mode=True)
+  check_workdir(workdir)
+  check_policy_checkpoint(config.policy.checkpoint)
+  mesh = build.mesh_from(config)
+  profiles = select_profiles(build.profiles_from(config.data.profiles), config.eval.num_profiles,
+                             config.data.profiles)
+  t0 = time.perf_counter()
+  with jax.set_mesh(mesh):
+    model, chat, path = build.load_policy(config, mesh)
+    sampler = build.policy_sampler(model, chat, config, mesh)
+    backend = build.simulator_backend(config, mesh)
+    dialogues = run_profiles(profiles, backend, sampler=sampler, params=nnx.state(model, nnx.Param),
+                             chat=chat, rollout=rollout, settings=settings,
+                             rng=jax.random.key(config.seed),
+                             progress=config.log.progress_bar and jax.process_index() == 0)
+  summary = eval_summary(dialogues)
+  summary.update(policy_checkpoint=path, eval_seconds=time.perf_counter() - t0,
+                 config=json.loads(config.to_json()))
+  return summary, write_outputs(workdir, dialogues, summary, config)

@@ -1,0 +1,45 @@
+r"""Evaluate a policy checkpoint Sentient-style: simulated users, emotion starts at 40, score = mean
+final emotion.
+
+  python -m rlver_jax.evaluate --config=configs/eval_sentient.py[:runlocal] --workdir=DIR \
+    [--config.policy.checkpoint=HF_DIR] [--config.data.profiles=PATH] [--config.eval.num_profiles=N]
+
+Writes DIR/eval_summary.json (score, success / failure rates, breakdowns per task and personality,
+turns, parse failures, the config), DIR/transcripts.jsonl (one dialogue a line),
+DIR/emotion_trajectories.png and DIR/config.json. The policy checkpoint is an HF directory; export
+a training run first with `python -m rlver_jax.export`.
+"""
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from rlver_jax import distributed
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/eval_sentient.py.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (local or gs://).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  distributed.initialize()
+  from rlver_jax import eval_run  # after distributed init: imports may touch devices
+  try:
+    summary, paths = eval_run.run(_CONFIG.value, _WORKDIR.value)
+  except (ValueError, FileNotFoundError) as e:  # bad input: one line, non-zero exit
+    logging.debug("error", exc_info=True)
+    sys.exit(f"error: {e}")
+  print(f"\nscore {summary['score']:.1f}  success {summary['success_rate']:.0%}  "
+        f"failure {summary['failure_rate']:.0%}  ({summary['num_dialogues']} dialogues)")
+  print(f"outputs under {_WORKDIR.value}:")
+  for k, v in paths.items():
+    print(f"  {k:12s} {v}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -33,6 +33,9 @@ setuptools.setup(
             "torch==2.13.0",
             "gguf==0.19.0",
             "accelerate==1.15.0",
+            "nbclient==0.11.0",
+            "nbformat==5.11.1",
+            "ipykernel==7.4.0",
         ],
     },
 )

@@ -124,7 +124,7 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.eval.every_steps = 50            # 0 = never
   c.eval.num_profiles = 20
   c.eval.start_emotion = 40
-  c.eval.max_turns = 10
+  c.eval.max_turns = 9              # policy replies: the opening + 9 replies = up to 10 user lines
 
   c.log = ml_collections.ConfigDict()
   c.log.transcripts_every = 10
@@ -138,24 +138,24 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
 
 def _runlocal(c: ml_collections.ConfigDict) -> None:
   """CPU-sized: the embedded SmolLM2-135M as policy and simulator, the English demo profiles."""
-  c.total_steps = 3
+  c.total_steps = 2
   for m in (c.policy, c.simulator):
     m.checkpoint = "embedded"
   c.policy.param_dtype = "float32"
   c.policy.compute_dtype = "float32"   # bf16 matmuls are slow on CPU
-  c.policy.remat = "none"
+  c.policy.remat = "full"             # keeps the update's activations within a laptop's memory
   c.policy.max_context = 1024
   c.policy.max_new_tokens = 32
   c.simulator.dtype = "float32"
   c.simulator.max_context = 3072
-  c.simulator.max_new_tokens = 48
+  c.simulator.max_new_tokens = 40
   c.simulator.max_turns = 2
-  c.simulator.max_parse_retries = 1
+  c.simulator.max_parse_retries = 0   # a 135M simulator rarely fixes its format on a retry
   c.data.profiles = "demo"
   c.data.num_holdout = 2
-  c.rl.profiles_per_step = 2
+  c.rl.profiles_per_step = 1 if c.algo == "grpo" else 2
   c.rl.group_size = 2 if c.algo == "grpo" else 1
-  c.rl.micro_batch_size = 4
+  c.rl.micro_batch_size = 2
   c.rl.logits_chunk = 256
   c.optim.actor_lr = 1e-5
   c.optim.critic_lr = 5e-5

@@ -36,6 +36,7 @@ setuptools.setup(
             "nbclient==0.11.0",
             "nbformat==5.11.1",
             "ipykernel==7.4.0",
+            "gcp-storage-emulator==2026.7.19",
         ],
     },
 )

@@ -11,6 +11,7 @@ import datetime
 import os
 import sys
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -32,12 +33,16 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   distributed.initialize()
   from rlver_jax import train  # after distributed init: imports may touch devices
+  from rlver_jax.models import storage
+  storage.point_clients_at_emulator()
   workdir = _WORKDIR.value or _default_workdir()
   try:
     paths = train.run(_CONFIG.value, workdir)
   except (ValueError, FileNotFoundError) as e:  # bad input: one line, non-zero exit
     logging.debug("error", exc_info=True)
     sys.exit(f"error: {e}")
+  if jax.process_index() != 0:  # one summary per run, not one per host
+    return
   print(f"\nrun finished at step {paths.pop('step')}; outputs under {workdir}:")
   for k, v in paths.items():
     print(f"  {k:12s} {v}")

@@ -41,6 +41,11 @@ def check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> Non
       raise ConfigConflictError(
           f"{path}: config.{k} was {old.get(k)!r} in this workdir, now {new.get(k)!r} "
           f"({len(changed)} conflicting key(s): {', '.join(changed[:5])}); use a new --workdir")
+  if jax.process_count() > 1:
+    # Every host has read the old file before process 0 replaces it (no host reads a half-written
+    # file), and all raise above alike.
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("rlver_jax:check_workdir_config")
   if jax.process_index() == 0:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(config.to_json(indent=2, sort_keys=True) + "\n")

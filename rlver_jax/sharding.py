@@ -128,3 +128,17 @@ def global_array(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
   """A sharded array from a host value every process holds in full (each puts only its shards)."""
   x = np.asarray(x)
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def broadcast_bytes(data: bytes | None) -> bytes:
+  """Process 0's `data` on every process (the others pass None); a no-op with one process."""
+  if jax.process_count() == 1:
+    return data or b""
+  from jax.experimental import multihost_utils
+  mine = np.frombuffer(data or b"", np.uint8) if jax.process_index() == 0 else None
+  n = int(multihost_utils.broadcast_one_to_all(np.int32(0 if mine is None else mine.size)))
+  # Same shape on every process, at least one element; process 0's bytes win.
+  buf = np.zeros(max(n, 1), np.uint8)
+  if mine is not None:
+    buf[:n] = mine
+  return np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes()[:n]

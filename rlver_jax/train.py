@@ -129,6 +129,9 @@ class Trainer:
 
   def rollout(self, rng) -> tuple[list[Dialogue], RolloutStats]:
     c = self.config
+    # Every host samples the whole global batch (same seed, same order): parsing replies and the
+    # simulator's decisions run on the host and need every row's text everywhere. Token ids come
+    # back from the devices through `host_array`, so all hosts append the same tokens.
     profiles = self.profile_sampler.next_batch(c.rl.profiles_per_step)
     profiles, groups = repeat_for_groups(profiles, c.rl.group_size)
     s = c.simulator

@@ -73,3 +73,13 @@ def apply(config, overrides: dict) -> None:
     for p in parents:
       node = node[p]
     node[leaf] = value
+
+
+def cli_flags(world: dict[str, str], algo: str, workdir: str, steps: int, **extra) -> list[str]:
+  """`python -m rlver_jax.main` flags for a tiny-world run (`extra`: more dotted config overrides)."""
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  out = [f"--config={repo}/configs/{algo}_nothink.py", f"--workdir={workdir}",
+         f"--config.total_steps={steps}"]
+  for k, v in {**tiny_overrides(world, algo), **extra}.items():
+    out.append(f"--config.{k}={v}")
+  return out

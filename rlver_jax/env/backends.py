@@ -17,10 +17,13 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
+
+import jax
 
 from rlver_jax.env import scripted_rules
 from rlver_jax.env.profiles import Profile, intention_key, personality_key
+from rlver_jax.sharding import broadcast_bytes
 
 Message = dict[str, str]
 KINDS = ("opening", "emotion", "reply", "retry")
@@ -163,12 +166,15 @@ class OpenAIChatBackend(HistoryBackend):
   def generate(self, requests: Sequence[SimRequest]) -> list[str]:
     self._extend(requests)
     bodies = [self._body(self._histories[r.row]) for r in requests]
-    workers = min(self.settings.max_concurrency, max(len(bodies), 1))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-      out = list(pool.map(self._post_with_retries, bodies))
+    out = _on_process_zero(lambda: self._post_all(bodies))
     for r, text in zip(requests, out):
       self._answer(r.row, text)
     return out
+
+  def _post_all(self, bodies: list[bytes]) -> list[str]:
+    workers = min(self.settings.max_concurrency, max(len(bodies), 1))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+      return list(pool.map(self._post_with_retries, bodies))
 
   def _body(self, messages: list[Message]) -> bytes:
     s = self.settings
@@ -218,6 +224,28 @@ class OpenAIChatBackend(HistoryBackend):
   def _scrub(self, message: str) -> str:
     key = os.environ.get(self.settings.api_key_env, "")
     return message.replace(key, "***") if key else message
+
+
+def _on_process_zero(fetch: Callable[[], list[str]]) -> list[str]:
+  """Runs `fetch` on process 0 only and hands its texts (or its failure) to every process.
+
+  A sampled HTTP answer differs from call to call: if every host asked the server, hosts would
+  parse different texts, append different token ids and run diverging collective programs.
+  """
+  if jax.process_count() == 1:
+    return fetch()
+  payload: dict = {}
+  if jax.process_index() == 0:
+    try:
+      payload = {"texts": fetch()}
+    except SimulatorBackendError as e:
+      payload = {"error": str(e)}
+    except Exception as e:  # every host must raise, or the others would wait in the next collective
+      payload = {"error": f"{type(e).__name__}: {e}"}
+  payload = json.loads(broadcast_bytes(json.dumps(payload).encode("utf-8")).decode("utf-8"))
+  if "error" in payload:
+    raise SimulatorBackendError(payload["error"])
+  return payload["texts"]
 
 
 def _content(raw: bytes) -> str:

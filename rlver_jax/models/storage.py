@@ -31,6 +31,21 @@ def _client():
   return storage.Client()
 
 
+def point_clients_at_emulator() -> None:
+  """With STORAGE_EMULATOR_HOST set, sends every GCS client of a run to that emulator.
+
+  google-cloud-storage and gcsfs (behind epath) read STORAGE_EMULATOR_HOST themselves; tensorstore
+  (orbax's array I/O) reads TENSORSTORE_GCS_HTTP_URL instead, and gcsfs would first probe each
+  bucket's layout through a gRPC API that emulators lack. Call before the first gs:// access.
+  """
+  host = os.environ.get("STORAGE_EMULATOR_HOST")
+  if not host:
+    return
+  url = host if host.startswith(("http://", "https://")) else f"http://{host}"
+  os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", url)
+  os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
 def _split(path: str) -> tuple[str, str]:
   bucket, _, name = str(path)[len(_GS):].partition("/")
   return bucket, name.rstrip("/")

@@ -2,12 +2,18 @@
 
   python -m rlver_jax.aot --config=configs/aot_forward.py:qwen2.5-72b --topology=v5p:2x2x2
   python -m rlver_jax.aot --config=configs/aot_forward.py --find_smallest
+  python -m rlver_jax.aot --config=configs/grpo_think.py --topology=v5p:2x4x4 [--find_smallest]
+
+With a training config (configs/grpo_think.py, ...) it compiles every program of one training step at
+the config's real shapes and adds the whole-run plan (`rlver_jax.aot_run`): per phase, the resident
+state plus the largest program's private need, and the run total = the larger phase.
 
 Needs libtpu (`pip install "jax[tpu]==0.10.2"`), which can describe and compile for any slice without a
 TPU attached. Programs come from `rlver_jax.aot_programs.PROGRAMS`; the config names them in
-`config.programs`. Memory per device: arguments + temporaries + outputs not aliased to arguments +
-generated code (all of which live in HBM on TPU). A compile that fails with RESOURCE_EXHAUSTED is a row
-that does not fit, not a crash.
+`config.programs` (a training config: `aot_run.run_programs`; `--programs=a,b` picks some). Memory
+per device: arguments + temporaries + outputs not aliased to arguments + generated code (all of
+which live in HBM on TPU). A compile that fails with RESOURCE_EXHAUSTED is a row that does not fit,
+not a crash.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from jax.experimental import topologies
 from jax.sharding import Mesh
 from ml_collections import config_flags
 
+from rlver_jax import aot_run
 from rlver_jax.aot_programs import PROGRAMS
 from rlver_jax.sharding import MeshConfig, make_mesh
 
@@ -93,6 +100,8 @@ def _quiet_libtpu_init() -> None:
   if not os.path.exists("/dev/accel0") and not os.path.exists("/dev/vfio"):
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # No TPU to share: let several compile-only processes (a report and a test run) load libtpu.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def _require_libtpu() -> None:
@@ -162,8 +171,10 @@ def compile_program(name: str, config: ml_collections.ConfigDict, mesh: Mesh, to
     raise AotError(f"unknown program {name!r}; registered: {', '.join(PROGRAMS)}")
   shape = tuple(mesh.shape[a] for a in ("data", "fsdp", "tensor"))
   row = MemoryRow(program=name, topology=topology, mesh=shape, hbm_bytes=hbm_bytes)
+  # Built outside the mesh context: builders may make small concrete arrays (a sampler's stop ids),
+  # which must not be placed on compile-only devices.
+  fn, args = PROGRAMS[name](config, mesh)
   with jax.set_mesh(mesh):  # the model's activation constraints read the ambient mesh
-    fn, args = PROGRAMS[name](config, mesh)
     lowered = fn.lower(*args)
     try:
       compiled = lowered.compile()
@@ -178,16 +189,78 @@ def compile_program(name: str, config: ml_collections.ConfigDict, mesh: Mesh, to
       code_bytes=m.generated_code_size_in_bytes)
 
 
-def report(config: ml_collections.ConfigDict, topology: str,
-           mesh_config: MeshConfig | None = None) -> list[MemoryRow]:
-  """One row per program of `config.programs`, compiled for `topology`."""
-  devices = get_topology(topology)
+def program_names(config: ml_collections.ConfigDict, only: Sequence[str] = ()) -> tuple[str, ...]:
+  """`config.programs`, or every program of a training step for a training config; `only` filters."""
+  names = aot_run.run_programs(config) if aot_run.is_run_config(config) else tuple(config.programs)
+  unknown = [n for n in only if n not in names]
+  if unknown:
+    raise AotError(f"program {unknown[0]!r} is not one of this config's: {', '.join(names)}")
+  return tuple(n for n in names if not only or n in only)
+
+
+def _mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device],
+          mesh_config: MeshConfig | None) -> Mesh:
   if mesh_config is None:
     mesh_config = fitting_mesh(MeshConfig(config.mesh.data, config.mesh.fsdp, config.mesh.tensor),
                                len(devices))
-  mesh = make_mesh(mesh_config, devices)
+  return make_mesh(mesh_config, devices)
+
+
+def report(config: ml_collections.ConfigDict, topology: str,
+           mesh_config: MeshConfig | None = None) -> list[MemoryRow]:
+  """One row per program of the config (`program_names`), compiled for `topology`."""
+  return list(evaluate(config, topology, mesh_config).rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+  """Compiled rows of a config on one slice and mesh; phases (and run total) for training configs."""
+  topology: str
+  mesh: tuple[int, int, int]
+  rows: tuple[MemoryRow, ...]
+  phases: tuple[aot_run.Phase, ...] = ()
+  stopped: str | None = None   # why the remaining programs were not compiled (a search gave up early)
+
+  @property
+  def fits(self) -> bool:
+    return (self.stopped is None and all(r.fits for r in self.rows)
+            and all(p.fits for p in self.phases))
+
+
+def evaluate(config: ml_collections.ConfigDict, topology: str, mesh_config: MeshConfig | None = None,
+             only: Sequence[str] = (), give_up_early: bool = False) -> Evaluation:
+  """Compiles the programs of `config` for `topology`; adds the run plan for a training config.
+
+  With `give_up_early` (a search), a training config compiles nothing when its resident state alone
+  exceeds HBM, compiles its biggest programs (the updates) first, and stops at the first program
+  that does not fit together with its phase's resident state.
+  """
+  devices = get_topology(topology)
+  mesh = _mesh(config, devices, mesh_config)
   hbm = hbm_per_device(devices)
-  return [compile_program(name, config, mesh, topology, hbm) for name in config.programs]
+  shape = tuple(mesh.shape[a] for a in ("data", "fsdp", "tensor"))
+  names = program_names(config, only)
+  if not aot_run.is_run_config(config):
+    return Evaluation(topology, shape, tuple(compile_program(n, config, mesh, topology, hbm)
+                                             for n in names))
+  try:
+    plan = aot_run.Plan(config, mesh, hbm)
+  except ValueError as e:  # an unknown preset, dtype or algorithm in the config
+    raise AotError(str(e)) from None
+  if give_up_early:
+    why = plan.state_misfit(names)
+    if why:
+      return Evaluation(topology, shape, (), stopped=why)
+    names = aot_run.search_order(names)
+  rows = []
+  for name in names:
+    rows.append(compile_program(name, config, mesh, topology, hbm))
+    why = plan.row_misfit(rows[-1]) if give_up_early and name != names[-1] else None
+    if why:
+      return Evaluation(topology, shape, tuple(rows), stopped=why)
+  order = program_names(config, only)
+  rows.sort(key=lambda r: order.index(r.program))
+  return Evaluation(topology, shape, tuple(rows), plan.phases(rows))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +269,7 @@ class Found:
   family: str
   topology: str
   rows: tuple[MemoryRow, ...]
+  phases: tuple[aot_run.Phase, ...] = ()
 
 
 def _search_meshes(config: ml_collections.ConfigDict, num_devices: int) -> list[MeshConfig]:
@@ -214,8 +288,12 @@ def _search_meshes(config: ml_collections.ConfigDict, num_devices: int) -> list[
 
 
 def find_smallest(config: ml_collections.ConfigDict, families: Sequence[str] = tuple(CANDIDATES),
-                  log=print) -> dict[str, Found | None]:
-  """Per chip family, the smallest candidate slice (and mesh) on which every program fits."""
+                  log=print, only: Sequence[str] = ()) -> dict[str, Found | None]:
+  """Per chip family, the smallest candidate slice (and mesh) on which every program fits.
+
+  For a training config the run total has to fit too; slices whose resident state alone exceeds HBM
+  are skipped without compiling.
+  """
   unknown = [f for f in families if f not in CANDIDATES]
   if unknown:
     raise AotError(f"unknown chip family {unknown[0]!r}; known: {', '.join(CANDIDATES)}")
@@ -225,10 +303,10 @@ def find_smallest(config: ml_collections.ConfigDict, families: Sequence[str] = t
     for topology in CANDIDATES[family]:
       devices = get_topology(topology)
       for mesh_config in _search_meshes(config, len(devices)):
-        rows = report(config, topology, mesh_config)
-        log(format_table(rows, header=False))
-        if all(r.fits for r in rows):
-          results[family] = Found(family, topology, tuple(rows))
+        ev = evaluate(config, topology, mesh_config, only, give_up_early=True)
+        log(format_evaluation(ev, header=False))
+        if ev.fits:
+          results[family] = Found(family, topology, ev.rows, ev.phases)
           break
       if results[family]:
         break
@@ -253,11 +331,26 @@ def format_row(r: MemoryRow) -> tuple[str, ...]:
           _gib(r.total_bytes), _gib(r.hbm_bytes), fits)
 
 
+def _table(lines: Sequence[tuple[str, ...]], header: bool) -> str:
+  lines = ([_COLUMNS, tuple("---" for _ in _COLUMNS)] if header else []) + list(lines)
+  return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
 def format_table(rows: Sequence[MemoryRow], header: bool = True) -> str:
   """A Markdown table (per-device sizes); outputs are those not aliased to arguments."""
-  lines = [_COLUMNS, tuple("---" for _ in _COLUMNS)] if header else []
-  lines += [format_row(r) for r in rows]
-  return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+  return _table([format_row(r) for r in rows], header)
+
+
+def format_evaluation(ev: Evaluation, header: bool = True) -> str:
+  """Program rows, then one row per phase; with `header`, the resident state and run-total lines."""
+  mesh = "x".join(map(str, ev.mesh))
+  lines = [format_row(r) for r in ev.rows] + [aot_run.phase_row(p, ev.topology, mesh) for p in ev.phases]
+  if ev.stopped:
+    lines.append(("(search gave up)", ev.topology, mesh) + ("-",) * 5 + (f"no ({ev.stopped})",))
+  text = _table(lines, header)
+  if header and ev.phases:
+    text += "\n\n" + aot_run.format_run_total(ev.phases, ev.topology, mesh)
+  return text
 
 
 # -- CLI -------------------------------------------------------------------------------------------
@@ -268,6 +361,8 @@ _TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x2", "TPU slice, e.g. v5e:4x
 _FIND = flags.DEFINE_bool("find_smallest", False,
                           "Search each chip family for the smallest slice on which every program fits.")
 _FAMILIES = flags.DEFINE_list("families", list(CANDIDATES), "Chip families for --find_smallest.")
+_ONLY = flags.DEFINE_list("programs", [], "Compile only these of the config's programs (default: all); "
+                          "a training config's phase rows need all programs of that phase.")
 
 
 def _streamed_table():
@@ -284,16 +379,19 @@ def _streamed_table():
 
 def _run(config: ml_collections.ConfigDict) -> None:
   if not _FIND.value:
-    print(format_table(report(config, _TOPOLOGY.value)))
+    print(format_evaluation(evaluate(config, _TOPOLOGY.value, only=_ONLY.value)))
     return
-  found = find_smallest(config, _FAMILIES.value, log=_streamed_table())
+  found = find_smallest(config, _FAMILIES.value, log=_streamed_table(), only=_ONLY.value)
   print()
   for family, f in found.items():
     if f is None:
       print(f"{family}: nothing up to {CANDIDATES[family][-1]} fits")
     else:
-      print(f"{family}: smallest is {f.topology}, mesh data,fsdp,tensor = "
-            f"{'x'.join(map(str, f.rows[0].mesh))}")
+      mesh = f.rows[0].mesh
+      print(f"{family}: smallest is {f.topology}, mesh data,fsdp,tensor = {'x'.join(map(str, mesh))}")
+      if f.phases:
+        total = aot_run.format_run_total(f.phases, f.topology, "x".join(map(str, mesh)))
+        print("  " + total.replace("\n", "\n  "))
 
 
 def main(argv: Sequence[str]) -> None:

@@ -5,32 +5,49 @@ the ConfigDict, builds a `jax.jit`-wrapped function and a tuple of ShapeDtypeStr
 `mesh`) such that `jitted_fn.lower(*abstract_args)` lowers it. Nothing is allocated. A new program is one
 function plus one entry in `PROGRAMS`; a config names the programs it wants in `config.programs`.
 
-Shape legend: B batch, T tokens, V vocabulary.
+`forward` reads an aot config (`configs/aot_forward.py`). The run programs (sampler and update steps)
+read a training config (`configs/grpo_think.py`, ...) and compile the trainer's own jitted functions:
+`Sampler`'s append/decode and `Updater`'s step. Run programs take their resident state (params and KV
+cache, or params and optimizer state) as their first two arguments; `rlver_jax.aot_run` relies on it.
+
+Shape legend: B batch, T tokens, V vocabulary, S cache slots, M micro-batches.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rlver_jax import build
 from rlver_jax.models.factory import abstract_model, state_shardings
 from rlver_jax.models.presets import Qwen2Config, get_preset, param_dtype_of
-from rlver_jax.models.qwen2 import Head
+from rlver_jax.models.qwen2 import Head, Qwen2
+from rlver_jax.rl.update import Updater, make_optimizer
+from rlver_jax.sampling.kv_cache import KVCache
+from rlver_jax.sampling.sampler import Sampler, bucket
+from rlver_jax.sampling.strategies import SamplingParams
 from rlver_jax.sharding import DEFAULT_RULES, ShardingRules
 
 Program = Callable[[ml_collections.ConfigDict, Mesh], tuple[Callable[..., Any], tuple[Any, ...]]]
 
+# A typical turn appended to a dialogue (a user reply plus headers), in tokens.
+TYPICAL_TURN_TOKENS = 256
+
 
 def model_config(model: ml_collections.ConfigDict) -> Qwen2Config:
-  """The architecture named by `model.preset`, with `model.num_layers` overriding the depth if set."""
-  config = get_preset(model.preset)
-  if model.num_layers is not None:
-    config = dataclasses.replace(config, num_layers=model.num_layers)
+  """The architecture named by `model.preset`; "NAME:L" or `model.num_layers` gives it L layers."""
+  name, _, layers = model.preset.partition(":")
+  config = get_preset(name)
+  num_layers = int(layers) if layers else model.get("num_layers")
+  if num_layers is not None:
+    config = dataclasses.replace(config, num_layers=num_layers)
   return config
 
 
@@ -40,17 +57,20 @@ def abstract_array(shape: Sequence[int], dtype, logical_axes: Sequence[str | Non
   return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=rules.sharding(mesh, logical_axes, shape))
 
 
+def _module(model: ml_collections.ConfigDict, head: Head = "lm") -> Qwen2:
+  return abstract_model(model_config(model), head=head, param_dtype=param_dtype_of(model.param_dtype),
+                        dtype=param_dtype_of(model.dtype), remat=model.remat)
+
+
+def _with_shardings(tree, shardings):
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
+
+
 def abstract_params(model: ml_collections.ConfigDict, mesh: Mesh, *, head: Head = "lm",
                     rules: ShardingRules = DEFAULT_RULES) -> tuple[nnx.GraphDef, nnx.State]:
   """(graphdef, state) of the model described by `model`; state leaves are sharded ShapeDtypeStructs."""
-  abstract = abstract_model(model_config(model), head=head,
-                            param_dtype=param_dtype_of(model.param_dtype),
-                            dtype=param_dtype_of(model.dtype), remat=model.remat)
-  graphdef, state = nnx.split(abstract)
-  shardings = state_shardings(state, mesh, rules)
-  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                       state, shardings)
-  return graphdef, state
+  graphdef, state = nnx.split(_module(model, head))
+  return graphdef, _with_shardings(state, state_shardings(state, mesh, rules))
 
 
 def forward(config: ml_collections.ConfigDict, mesh: Mesh):
@@ -66,6 +86,182 @@ def forward(config: ml_collections.ConfigDict, mesh: Mesh):
   return run, (state, input_ids)
 
 
+# -- sampler programs: a model + a batch of dialogues + a cache length -------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+  """A jitted function with its leading static argument and static keywords fixed."""
+  fn: Any
+  head: tuple[Any, ...]
+  static: dict[str, Any]
+
+  def lower(self, *args):
+    return self.fn.lower(*self.head, *args, **self.static)
+
+
+def _replicated(mesh: Mesh, tree):
+  """Placeholders like the leaves of `tree` (arrays or ShapeDtypeStructs), whole on every device."""
+  whole = NamedSharding(mesh, PartitionSpec())
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), tree)
+
+
+def abstract_cache(config: Qwen2Config, batch: int, max_len: int, dtype, mesh: Mesh) -> KVCache:
+  """The sampler's KV cache as sharded ShapeDtypeStructs."""
+  return _with_shardings(KVCache.shapes(config, batch, max_len, dtype),
+                         KVCache.shardings(config, batch, max_len, dtype, mesh))
+
+
+def _sampler(model: ml_collections.ConfigDict, batch: int, max_len: int, mesh: Mesh):
+  """(sampler, params, cache): the trainer's Sampler on the abstract model, with sharded inputs."""
+  module = _module(model)
+  config = model_config(model)
+  stop_ids = config.eos_token_id if isinstance(config.eos_token_id, tuple) else (0,)
+  sampler = Sampler(module, max_len=max_len, stop_ids=stop_ids, pad_id=config.pad_token_id or 0,
+                    mesh=mesh)
+  _, params = abstract_params(model, mesh)
+  return sampler, params, abstract_cache(config, batch, max_len, sampler.cache_dtype, mesh)
+
+
+def append_program(model: ml_collections.ConfigDict, batch: int, max_len: int, tokens: int,
+                   mesh: Mesh):
+  """`Sampler.append` of `tokens` per row (bucketed, at most one chunk), attending the full window."""
+  sampler, params, cache = _sampler(model, batch, max_len, mesh)
+  T = bucket(min(tokens, max_len, sampler.append_buckets[-1]), sampler.append_buckets)
+  V = model_config(model).vocab_size
+  args = (params, cache, abstract_array((batch, T), jnp.int32, ("batch", "seq"), mesh),
+          abstract_array((batch,), jnp.int32, ("batch",), mesh),
+          abstract_array((batch, V), jnp.float32, ("batch", "act_vocab"), mesh))
+  return Bound(sampler._append, (sampler.graphdef,), dict(window=sampler.windows[-1])), args
+
+
+def prefill_program(model: ml_collections.ConfigDict, batch: int, max_len: int, mesh: Mesh):
+  """The largest append chunk (the prefill's, or a long turn's late in a dialogue) at the full window.
+
+  A prefill onto an empty cache attends a small window; the same chunk appended to a nearly full
+  cache attends all of it. Compiling the latter bounds both.
+  """
+  largest = _sampler(model, batch, max_len, mesh)[0].append_buckets[-1]
+  return append_program(model, batch, max_len, largest, mesh)
+
+
+def decode_program(model: ml_collections.ConfigDict, batch: int, max_len: int, max_new: int,
+                   mesh: Mesh):
+  """`Sampler.decode` of up to `max_new` tokens per row, attending the full cache window."""
+  sampler, params, cache = _sampler(model, batch, max_len, mesh)
+  V = model_config(model).vocab_size
+  row = lambda dtype: abstract_array((batch,), dtype, ("batch",), mesh)
+  args = (params, cache, abstract_array((batch, V), jnp.float32, ("batch", "act_vocab"), mesh),
+          row(jnp.bool_), row(jnp.int32),
+          *_replicated(mesh, (sampler.stop_ids, jax.random.key(0), SamplingParams.make())))
+  static = dict(window=sampler.windows[-1], max_new=max_new, pad_id=sampler.pad_id)
+  return Bound(sampler._decode, (sampler.graphdef,), static), args
+
+
+# -- the run's models and batch, read from a training config -----------------------------------------
+
+
+def policy_model(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The policy (and critic) as the AOT tool describes a model: fp32 master params, bf16 compute."""
+  p = config.policy
+  return ml_collections.ConfigDict(dict(preset=p.preset, param_dtype=p.param_dtype,
+                                        dtype=p.compute_dtype, remat=p.remat))
+
+
+def simulator_model(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The co-located simulator: frozen, params and compute in `simulator.dtype`, no remat."""
+  s = config.simulator
+  return ml_collections.ConfigDict(dict(preset=s.preset, param_dtype=s.dtype, dtype=s.dtype,
+                                        remat="none"))
+
+
+def num_dialogues(config: ml_collections.ConfigDict) -> int:
+  return config.rl.profiles_per_step * config.rl.group_size
+
+
+def num_samples(config: ml_collections.ConfigDict) -> int:
+  """Training rows per step, at most: one per policy turn when thoughts are dropped, else per dialogue."""
+  per_dialogue = config.simulator.max_turns if config.policy.think and not config.policy.keep_thoughts else 1
+  return num_dialogues(config) * per_dialogue
+
+
+def micro_batches(config: ml_collections.ConfigDict) -> int:
+  """M of one update step: the packed rows (padded like `train.pack`) over micro- and mini-batches."""
+  rows = config.rl.micro_batch_size * config.rl.mini_batches
+  return -(-num_samples(config) // rows) * rows // rows
+
+
+def _sampler_role(config: ml_collections.ConfigDict, role: str):
+  section = config.policy if role == "policy" else config.simulator
+  model = policy_model(config) if role == "policy" else simulator_model(config)
+  return model, num_dialogues(config), section.max_context, section.max_new_tokens
+
+
+def run_prefill(config, mesh, *, role: str):
+  model, batch, max_len, _ = _sampler_role(config, role)
+  return prefill_program(model, batch, max_len, mesh)
+
+
+def run_append(config, mesh, *, role: str):
+  model, batch, max_len, _ = _sampler_role(config, role)
+  return append_program(model, batch, max_len, TYPICAL_TURN_TOKENS, mesh)
+
+
+def run_decode(config, mesh, *, role: str):
+  model, batch, max_len, max_new = _sampler_role(config, role)
+  return decode_program(model, batch, max_len, max_new, mesh)
+
+
+# -- update programs ---------------------------------------------------------------------------------
+
+
+def abstract_opt_state(optimizer: optax.GradientTransformation, params, mesh: Mesh):
+  """Optimizer state shaped by `optimizer.init`; param-like leaves take the params' shardings."""
+  state = jax.eval_shape(optimizer.init, params)
+  shard = lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding)
+  replicate = lambda t: _replicated(mesh, t)
+  return optax.tree_map_params(optimizer, shard, state, params, transform_non_params=replicate)
+
+
+def batch_keys(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """Arrays of the trainer's batch (`Trainer.make_batch` + `weights` from `Updater.step`)."""
+  keys = ("tokens", "segment_ids", "loss_mask", "old_logp", "rollout_logp", "advantages", "weights")
+  if config.rl.kl_coef > 0 and not config.rl.kl_in_reward:
+    keys += ("ref_logp",)
+  if config.algo == "ppo":
+    keys += ("old_values", "returns")
+  return keys
+
+
+def abstract_batch(config: ml_collections.ConfigDict, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+  """One mini-batch [M, B, T], micro-batch rows over the batch mesh axes (like `Trainer._device`)."""
+  shape = (micro_batches(config), config.rl.micro_batch_size, config.policy.max_context)
+  ints = {"tokens", "segment_ids"}
+  return {k: abstract_array(shape, jnp.int32 if k in ints else jnp.float32, (None, "batch", None), mesh)
+          for k in batch_keys(config)}
+
+
+def update_program(config: ml_collections.ConfigDict, mesh: Mesh, *, critic: bool):
+  """`Updater`'s jitted step: (params, optimizer state, batch) -> (params, state, metrics), donated."""
+  head: Head = "value" if critic else "lm"
+  model = policy_model(config)
+  optimizer = make_optimizer(build.optim_config(config, critic=critic))
+  updater = Updater(_module(model, head), optimizer, "value" if critic else "policy",
+                    build.loss_config(config))
+  _, params = abstract_params(model, mesh, head=head)
+  return updater._step, (params, abstract_opt_state(optimizer, params, mesh),
+                         abstract_batch(config, mesh))
+
+
 PROGRAMS: dict[str, Program] = {
     "forward": forward,
+    "policy_prefill": functools.partial(run_prefill, role="policy"),
+    "policy_append": functools.partial(run_append, role="policy"),
+    "policy_decode": functools.partial(run_decode, role="policy"),
+    "simulator_prefill": functools.partial(run_prefill, role="simulator"),
+    "simulator_append": functools.partial(run_append, role="simulator"),
+    "simulator_decode": functools.partial(run_decode, role="simulator"),
+    "grpo_update": functools.partial(update_program, critic=False),
+    "ppo_policy_update": functools.partial(update_program, critic=False),
+    "ppo_critic_update": functools.partial(update_program, critic=True),
 }

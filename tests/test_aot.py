@@ -13,11 +13,23 @@ import pytest
 if importlib.util.find_spec("libtpu") is None:
   pytest.skip('libtpu is not installed (pip install "jax[tpu]==0.10.2")', allow_module_level=True)
 
-from rlver_jax import aot  # noqa: E402
+import ml_collections  # noqa: E402
+
+from rlver_jax import aot, aot_run  # noqa: E402
+from rlver_jax import aot_programs as ap  # noqa: E402
 from rlver_jax.aot_programs import model_config  # noqa: E402
+from rlver_jax.models import presets  # noqa: E402
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 _GET_CONFIG = runpy.run_path(str(_REPO / "configs" / "aot_forward.py"))["get_config"]
+_RUN_CONFIGS = {name: runpy.run_path(str(_REPO / "configs" / f"{name}.py"))["get_config"]
+                for name in ("grpo_think", "ppo_think", "grpo_nothink")}
+
+# A Qwen2-shaped model small enough that a whole training step's programs compile in seconds (the
+# 152k-entry vocabulary alone costs ~20 s per decode program: sorting it for top-p).
+_TINY = presets.Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=64, eos_token_id=(1, 2),
+                            pad_token_id=0)
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +103,116 @@ def test_missing_libtpu_is_a_one_line_error(monkeypatch):
   monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
   with pytest.raises(aot.AotError, match=r'pip install "jax\[tpu\]==0.10.2"'):
     aot.get_topology("v5e:2x2")
+
+
+# -- the whole-run plan of a training config ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_preset():
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setitem(presets.PRESETS, "aot-test-tiny", _TINY)
+    yield
+
+
+def _tiny_run(name="grpo_think", backend="model"):
+  """The runlocal config on the tiny preset (simulator with 1 layer), short caches (which also keep
+  the prefill chunk short: at most the cache length, bucketed)."""
+  config = _RUN_CONFIGS[name]("runlocal")
+  config.policy.preset = "aot-test-tiny"
+  config.simulator.preset = "aot-test-tiny:1"
+  config.policy.max_context = 256
+  config.simulator.max_context = 256
+  config.simulator.backend = backend
+  return config
+
+
+@pytest.fixture(scope="module")
+def tiny_search(topology_ok, tiny_preset):
+  """find_smallest over v5e for the tiny GRPO run: one compile of every program, shared by tests."""
+  logs = []
+  found = aot.find_smallest(_tiny_run(), families=("v5e",), log=logs.append)
+  return found["v5e"], logs
+
+
+def test_find_smallest_on_a_run_config_returns_first_candidate(tiny_search):
+  found, logs = tiny_search
+  assert found.topology == aot.CANDIDATES["v5e"][0]
+  assert len(logs) == 1 and "run total" not in logs[0]   # streamed rows only, no header lines
+  assert "| update phase: resident state + grpo_update | v5e:1x1 | 1x1x1 |" in logs[0]
+
+
+def test_whole_run_table_has_every_program_and_the_run_total(tiny_search):
+  found, _ = tiny_search
+  config = _tiny_run()
+  programs = aot_run.run_programs(config)
+  assert programs == ("policy_prefill", "policy_append", "policy_decode", "simulator_prefill",
+                      "simulator_append", "simulator_decode", "grpo_update")
+  assert tuple(r.program for r in found.rows) == programs
+  for r in found.rows:
+    assert r.fits and r.argument_bytes > 0 and r.temp_bytes >= 0 and r.total_bytes > r.argument_bytes
+  ev = aot.Evaluation(found.topology, found.rows[0].mesh, found.rows, found.phases)
+  text = aot.format_evaluation(ev)
+  for p in programs:
+    assert f"| {p} | v5e:1x1 | 1x1x1 |" in text
+  assert [p.name for p in found.phases] == ["rollout", "update"]
+  assert all(p.fits and p.total_bytes > p.state_bytes > 0 for p in found.phases)
+  peak = aot_run.run_total(found.phases)
+  assert peak.total_bytes == max(p.total_bytes for p in found.phases)
+  assert "| rollout phase: resident state + " in text
+  assert "run total per device on v5e:1x1 (mesh 1x1x1): " in text and text.endswith(": fits")
+
+
+def test_run_program_arguments_match_the_resident_state(tiny_search):
+  """Compiled argument sizes agree with the plan's abstract sizes (the plan counts them once)."""
+  found, _ = tiny_search
+  state = aot_run.Plan(_tiny_run(), aot.make_mesh(aot.MeshConfig(), aot.get_topology("v5e:1x1")),
+                       16 * 2**30).state
+  rows = {r.program: r for r in found.rows}
+  policy = state["rollout"]["policy params"] + state["rollout"]["policy KV cache"]
+  update = state["update"]["policy params"] + state["update"]["policy optimizer"]
+  assert rows["policy_decode"].argument_bytes == pytest.approx(policy, rel=0.05)
+  assert rows["grpo_update"].argument_bytes >= update
+  assert rows["grpo_update"].alias_bytes == pytest.approx(update, rel=0.05)   # donated
+
+
+def test_resident_state_counts_per_device_shards(tiny_preset):
+  config = _tiny_run("ppo_think")
+  mesh = aot.make_mesh(aot.MeshConfig(), aot.get_topology("v5e:2x2"))
+  state = aot_run.Plan(config, mesh, 16 * 2**30).state
+  rollout, update = state["rollout"], state["update"]
+  assert set(rollout) - set(update) == {"policy KV cache"}
+  assert set(update) == {"policy params", "policy optimizer", "critic params", "critic optimizer",
+                         "simulator params", "simulator KV cache"}
+  # AdamW keeps two fp32 moments per param (plus scalar counts).
+  assert 0 <= update["policy optimizer"] - 2 * update["policy params"] < 1024
+  # k and v [L, B, S, K, Dh] in the simulator's dtype (fp32 in runlocal), 1 layer; PPO runlocal has 2
+  # dialogues, which 4 fsdp devices cannot split: every device holds both rows, and their lengths.
+  c = _TINY
+  assert ap.num_dialogues(config) == 2 and config.simulator.dtype == "float32"
+  assert update["simulator KV cache"] == 2 * 1 * 2 * 256 * c.num_kv_heads * c.head_dim * 4 + 2 * 4
+
+
+def test_run_programs_and_update_shapes():
+  grpo, ppo, nothink = (_RUN_CONFIGS[n]() for n in ("grpo_think", "ppo_think", "grpo_nothink"))
+  assert aot_run.update_programs(ppo) == ("ppo_policy_update", "ppo_critic_update")
+  with ppo.unlocked():
+    ppo.simulator.backend = "http"
+  assert aot_run.run_programs(ppo) == ("policy_prefill", "policy_append", "policy_decode",
+                                       "ppo_policy_update", "ppo_critic_update")
+  # Think mode drops thoughts, so every turn is a sample: 32 profiles x 4 x 8 turns / micro-batch 4.
+  assert ap.micro_batches(grpo) == 256 and ap.micro_batches(nothink) == 32
+  assert ap.micro_batches(ppo) == 64
+  assert ap.batch_keys(ppo)[-2:] == ("old_values", "returns") and "returns" not in ap.batch_keys(grpo)
+  assert (grpo.policy.preset, grpo.simulator.preset) == ("qwen2.5-7b", "qwen2.5-72b")
+
+
+def test_preset_with_a_layer_count():
+  c = model_config(ml_collections.ConfigDict({"preset": "qwen2.5-0.5b:2"}))
+  assert c.num_layers == 2 and c.hidden_size == presets.PRESETS["qwen2.5-0.5b"].hidden_size
+
+
+def test_programs_filter_rejects_unknown_names():
+  with pytest.raises(aot.AotError, match="'forward' is not one of this config's"):
+    aot.program_names(_RUN_CONFIGS["grpo_think"](), ["forward"])
+  assert aot.program_names(_tiny(), ["forward"]) == ("forward",)

@@ -83,7 +83,7 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.rl.group_size = 4 if algo == "grpo" else 1
   c.rl.epochs = 1
   c.rl.mini_batches = 1
-  c.rl.micro_batch_size = 4
+  c.rl.micro_batch_size = 4          # rows per batch shard (data x fsdp device); x shards = global
   c.rl.grpo_mean_only = False        # Dr.GRPO: no division by the group std
   c.rl.gamma = 1.0
   c.rl.lam = 1.0

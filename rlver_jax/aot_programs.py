@@ -33,7 +33,7 @@ from rlver_jax.rl.update import Updater, make_optimizer
 from rlver_jax.sampling.kv_cache import KVCache
 from rlver_jax.sampling.sampler import Sampler, bucket
 from rlver_jax.sampling.strategies import SamplingParams
-from rlver_jax.sharding import DEFAULT_RULES, ShardingRules
+from rlver_jax.sharding import DEFAULT_RULES, ShardingRules, batch_shards
 
 Program = Callable[[ml_collections.ConfigDict, Mesh], tuple[Callable[..., Any], tuple[Any, ...]]]
 
@@ -185,10 +185,16 @@ def num_samples(config: ml_collections.ConfigDict) -> int:
   return num_dialogues(config) * per_dialogue
 
 
-def micro_batches(config: ml_collections.ConfigDict) -> int:
+def micro_batch_rows(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> int:
+  """Global rows of one micro-batch: `rl.micro_batch_size` per batch shard (as `Trainer.make_batch`)."""
+  return config.rl.micro_batch_size * (1 if mesh is None else batch_shards(mesh))
+
+
+def micro_batches(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> int:
   """M of one update step: the packed rows (padded like `train.pack`) over micro- and mini-batches."""
-  rows = config.rl.micro_batch_size * config.rl.mini_batches
-  return -(-num_samples(config) // rows) * rows // rows
+  mb = micro_batch_rows(config, mesh)
+  rows = mb * config.rl.mini_batches
+  return -(-num_samples(config) // rows) * rows // mb // config.rl.mini_batches
 
 
 def _sampler_role(config: ml_collections.ConfigDict, role: str):
@@ -235,7 +241,7 @@ def batch_keys(config: ml_collections.ConfigDict) -> tuple[str, ...]:
 
 def abstract_batch(config: ml_collections.ConfigDict, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
   """One mini-batch [M, B, T], micro-batch rows over the batch mesh axes (like `Trainer._device`)."""
-  shape = (micro_batches(config), config.rl.micro_batch_size, config.policy.max_context)
+  shape = (micro_batches(config, mesh), micro_batch_rows(config, mesh), config.policy.max_context)
   ints = {"tokens", "segment_ids"}
   return {k: abstract_array(shape, jnp.int32 if k in ints else jnp.float32, (None, "batch", None), mesh)
           for k in batch_keys(config)}

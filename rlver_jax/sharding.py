@@ -107,6 +107,13 @@ DEFAULT_RULES = ShardingRules((
 ))
 
 
+def batch_shards(mesh: Mesh, rules: ShardingRules | None = None) -> int:
+  """How many ways the "batch" logical axis is split on `mesh` (data x fsdp by default)."""
+  axes = (rules or DEFAULT_RULES).mesh_axes("batch")
+  axes = (axes,) if isinstance(axes, str) else axes or ()
+  return math.prod(mesh.shape[a] for a in axes)
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None],
               rules: ShardingRules = DEFAULT_RULES) -> jax.Array:
   """Sharding constraint on an activation; a no-op outside a mesh context (plain single-device use)."""

@@ -27,7 +27,7 @@ from rlver_jax.metrics import MetricsWriter
 from rlver_jax.rl import advantages as adv_lib
 from rlver_jax.rl.update import Updater, make_optimizer, token_logprobs_and_entropy, token_values
 from rlver_jax.run_config import check_workdir_config
-from rlver_jax.sharding import DEFAULT_RULES, global_array, host_array
+from rlver_jax.sharding import DEFAULT_RULES, batch_shards, global_array, host_array
 
 SEQ_MULTIPLE = 64  # packed lengths are rounded up to this, so few update programs are compiled
 
@@ -158,7 +158,9 @@ class Trainer:
 
   def make_batch(self, dialogues: list[Dialogue]) -> tuple[dict[str, jax.Array], dict[str, float]]:
     c = self.config
-    mb, M = c.rl.micro_batch_size, c.rl.mini_batches
+    # micro_batch_size counts rows per batch shard, so every device gets its own rows (a global
+    # micro-batch smaller than the shard count would be replicated: the same rows on every device).
+    mb, M = c.rl.micro_batch_size * batch_shards(self.mesh), c.rl.mini_batches
     p = pack(dialogues, mb * M, self.chat.pad_id)
     N, T = p.tokens.shape
     shape = (N // mb, mb, T)

@@ -191,6 +191,9 @@ def test_resident_state_counts_per_device_shards(tiny_preset):
   c = _TINY
   assert ap.num_dialogues(config) == 2 and config.simulator.dtype == "float32"
   assert update["simulator KV cache"] == 2 * 1 * 2 * 256 * c.num_kv_heads * c.head_dim * 4 + 2 * 4
+  # The update's micro-batch has micro_batch_size rows per batch shard: 2 x 4 on 4 fsdp devices.
+  batch = ap.abstract_batch(config, mesh)["tokens"]
+  assert batch.shape == (1, 2 * 4, 256) and batch.sharding.shard_shape(batch.shape) == (1, 2, 256)
 
 
 def test_run_programs_and_update_shapes():

@@ -48,6 +48,19 @@ def test_policy_learns_against_scripted_simulator(world, tmp_path, algo, steps):
   assert late > early + 0.05, rewards
 
 
+def test_micro_batch_size_counts_rows_per_batch_shard(world, tmp_path):
+  """On 8 devices (fsdp=8) a micro-batch has micro_batch_size rows on each device, 8x that in all."""
+  config = _config(world, "grpo", total_steps=1, **{"rl.micro_batch_size": 2})
+  trainer = train.Trainer(config, str(tmp_path))
+  with jax.set_mesh(trainer.mesh):
+    dialogues, _ = trainer.rollout(jax.random.key(0))
+    batch, extra = trainer.make_batch(dialogues)
+  assert trainer.mesh.shape["fsdp"] == len(jax.devices()) == 8
+  M, B, _ = batch["tokens"].shape
+  assert B == 2 * 8 and (M - 1) * B < extra["samples"] <= M * B
+  assert {s.data.shape[1] for s in batch["tokens"].addressable_shards} == {2}
+
+
 def _params(workdir, config):
   trainer = train.Trainer(config, str(workdir))
   assert trainer.restore_if_any()

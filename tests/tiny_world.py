@@ -58,7 +58,7 @@ def tiny_overrides(world: dict[str, str], algo: str) -> dict:
       "policy.think": False, "policy.max_new_tokens": 6, "policy.max_context": 512,
       "policy.compute_dtype": "float32", "policy.remat": "none",
       "simulator.max_turns": 2, "rl.profiles_per_step": 2 if algo == "grpo" else 8,
-      "rl.group_size": 8 if algo == "grpo" else 1, "rl.micro_batch_size": 8,
+      "rl.group_size": 8 if algo == "grpo" else 1, "rl.micro_batch_size": 1,
       "rl.logits_chunk": 64, "optim.actor_lr": 3e-2, "optim.critic_lr": 3e-2,
       "optim.warmup_steps": 0, "optim.weight_decay": 0.0, "rl.entropy_coef": 0.0,
       "checkpoint.every_steps": 2, "eval.every_steps": 0, "log.transcripts_every": 0,

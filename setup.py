@@ -37,6 +37,8 @@ setuptools.setup(
             "nbformat==5.11.1",
             "ipykernel==7.4.0",
             "gcp-storage-emulator==2026.7.19",
+            # libtpu: the AOT tests compile for TPU topologies on the CPU (no TPU is used).
+            "jax[tpu]==0.10.2",
         ],
     },
 )

@@ -27,6 +27,8 @@ from rlver_jax.sharding import constrain
 RematPolicy = Literal["none", "full", "dots"]
 Head = Literal["lm", "value"]
 _F32 = jnp.float32
+# Query rows per attention block (see `attention`).
+Q_BLOCK = 512
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform row, not NaN
 
 
@@ -252,13 +254,42 @@ def _block(x, p, cos, sin, mask, cache, *, config: Qwen2Config, dtype):
   return constrain(x, ("batch", "seq", "act_embed")), new_kv
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """Grouped-query attention. q [B, T, H, Dh], k/v [B, S, K, Dh], mask [B, T, S] -> [B, T, H, Dh]."""
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+              q_block: int = Q_BLOCK) -> jax.Array:
+  """Grouped-query attention. q [B, T, H, Dh], k/v [B, S, K, Dh], mask [B, T, S] -> [B, T, H, Dh].
+
+  Queries go in blocks of `q_block` (a `lax.map` whose body is rematerialised), so scores and their
+  gradients take [B, H, q_block, S] at a time instead of [B, H, T, S]: for an 8k-token training row
+  of a 7B model that is 1.8 GiB per 4 rows instead of 28 GiB. Shorter inputs take one block.
+  """
   B, T, H, Dh = q.shape
-  K = k.shape[2]
-  qg = q.reshape(B, T, K, H // K, Dh)
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=_F32) / math.sqrt(Dh)
-  scores = jnp.where(mask[:, None, None], scores, _MASKED)
-  probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=_F32)
-  return out.reshape(B, T, H, Dh).astype(q.dtype)
+  if T <= q_block:
+    return _attend(q, k, v, mask)
+  n = -(-T // q_block)
+  pad = n * q_block - T  # padded query rows see nothing (uniform probs) and are cut off below
+  q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)))
+  blocks = (q.reshape(B, n, q_block, H, Dh).swapaxes(0, 1),
+            mask.reshape(B, n, q_block, mask.shape[-1]).swapaxes(0, 1))
+  block = jax.checkpoint(lambda qm: _attend(qm[0], k, v, qm[1]))
+  out = jax.lax.map(block, blocks)  # [n, B, q_block, H, Dh]
+  return out.swapaxes(0, 1).reshape(B, n * q_block, H, Dh)[:, :T]
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """`attention` in one block.
+
+  Both products are plain batched matmuls over leading (B, K) with the G query heads of a KV head
+  folded into the rows: XLA:CPU runs that layout as a library GEMM, where batch dims in the middle
+  (the einsum written directly on [B, T, K, G, Dh]) fell back to a loop nest ~2.7x slower at 1k tokens.
+  """
+  B, T, H, Dh = q.shape
+  S, K = k.shape[1], k.shape[2]
+  G = H // K
+  qg = q.reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, Dh)
+  kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+  scores = jnp.einsum("bkqd,bksd->bkqs", qg, kt, preferred_element_type=_F32) / math.sqrt(Dh)
+  scores = jnp.where(mask[:, None, None], scores.reshape(B, K, G, T, S), _MASKED)
+  probs = jax.nn.softmax(scores, axis=-1).reshape(B, K, G * T, S)
+  out = jnp.einsum("bkqs,bksd->bkqd", probs.astype(v.dtype), vt, preferred_element_type=_F32)
+  return out.reshape(B, K, G, T, Dh).transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh).astype(q.dtype)

@@ -1,0 +1,202 @@
+"""Rollout throughput: SmolLM2 as policy and as simulated user, cache-keeping vs re-prefilling.
+
+The `cached` rollout is the package's own: `run_dialogues` on a policy Sampler and a ModelBackend
+simulator, both appending each turn's new tokens onto their kept KV caches. The `re-prefill`
+rollout runs the same code with both samplers swapped for `RePrefillSampler` (defined here, not in
+the package): it mirrors every row's tokens on the host and turns each `append` into a prefill of
+the row's whole history (the cache rows are emptied first), as a cache-less implementation would.
+Same seeds; after a warm-up rollout per variant (compiles), timed rollouts alternate.
+
+  python benchmarks/rollout_throughput.py [--dialogues 8] [--turns 4] [--policy-new 32] [--sim-new 48]
+  python benchmarks/rollout_throughput.py --quick   # 2 dialogues x 2 turns
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import _common  # noqa: F401
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from _common import CompileCounter, command_line, machine_info, median, table
+from rlver_jax.env.model_backend import ModelBackend
+from rlver_jax.env.profiles import load_demo_profiles
+from rlver_jax.env.rollout import RolloutConfig, RolloutStats, run_dialogues
+from rlver_jax.env.simulator import SimulatedUsers
+from rlver_jax.models import load_pretrained
+from rlver_jax.models.embedded import embedded_model_dir
+from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
+from rlver_jax.sampling.sampler import Sampler
+from rlver_jax.sampling.strategies import SamplingParams
+
+
+COUNTER = CompileCounter()
+
+
+def _overhead() -> float:
+  return COUNTER.seconds + COUNTER.frontend_seconds
+
+
+class TimedSampler(Sampler):
+  """A Sampler that adds up the seconds spent in append (waited for) and decode, less compiles."""
+
+  seconds = 0.0
+  appended = 0  # tokens actually run through append programs (padding excluded)
+
+  def _timed(self, fn, *args, **kwargs):
+    t0, c0 = time.perf_counter(), _overhead()
+    out = jax.block_until_ready(fn(*args, **kwargs))
+    self.seconds += time.perf_counter() - t0 - (_overhead() - c0)
+    return out
+
+  def append(self, params, cache, rows, prev_logits=None):
+    self.appended += sum(len(r) for r in rows)
+    return self._timed(super().append, params, cache, rows, prev_logits)
+
+  def decode(self, *args, **kwargs):
+    return self._timed(super().decode, *args, **kwargs)
+
+
+class RePrefillSampler(TimedSampler):
+  """Keeps a host mirror of each row's cached tokens; an append re-prefills the whole row history.
+
+  Rows with new tokens are emptied and refilled with (mirror[:cached length] + new tokens); the
+  cached length honours rewinds (`cache.with_lengths`). Rows without new tokens are left alone.
+  """
+
+  mirror: list[list[int]] = []
+
+  def append(self, params, cache, rows, prev_logits=None):
+    lengths = np.asarray(jax.device_get(cache.lengths))
+    if len(self.mirror) != len(rows):
+      self.mirror = [[] for _ in rows]
+    self.mirror = [m[: int(n)] + list(r) for m, n, r in zip(self.mirror, lengths, rows)]
+    has_new = np.array([len(r) > 0 for r in rows])
+    cache = cache.with_lengths(np.where(has_new, 0, lengths).astype(np.int32))
+    full = [m if h else [] for m, h in zip(self.mirror, has_new)]
+    return super().append(params, cache, full, prev_logits)
+
+  def decode(self, *args, **kwargs):
+    res = super().decode(*args, **kwargs)
+    for b in range(len(self.mirror)):
+      self.mirror[b] = self.mirror[b] + res.row(b)
+    return res
+
+
+def make_samplers(kind: str, model, chat: ChatTokens, args):
+  cls = RePrefillSampler if kind == "re-prefill" else TimedSampler
+  policy = cls(model, max_len=args.policy_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id)
+  sim = cls(model, max_len=args.sim_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id)
+  return policy, sim
+
+
+def rollout(kind: str, model, params, chat: ChatTokens, args, seed: int) -> dict:
+  """One batch of dialogues; returns wall time, per-model seconds and token counts."""
+  policy, sim = make_samplers(kind, model, chat, args)
+  backend = ModelBackend(sim, params, chat, max_new_tokens=args.sim_new,
+                         sampling=SamplingParams.make(0.7, 0.9, 0), seed=seed + 1)
+  profiles = (load_demo_profiles() * args.dialogues)[: args.dialogues]
+  users = SimulatedUsers(profiles, backend, style="vanilla", start_emotion=30, max_turns=args.turns,
+                         max_parse_retries=1)
+  cfg = RolloutConfig(think=args.think, max_new_tokens=args.policy_new, temperature=1.0)
+  stats = RolloutStats()
+  t0, c0 = time.perf_counter(), _overhead()
+  dialogues = run_dialogues(profiles, list(range(len(profiles))), users, sampler=policy, params=params,
+                            chat=chat, cfg=cfg, rng=jax.random.key(seed), stats=stats)
+  wall = time.perf_counter() - t0
+  compile_s = _overhead() - c0
+  if kind == "re-prefill":  # the mirror is exactly what the package's backend says is cached
+    assert all(sim.mirror[b] == backend.tokens[b] for b in range(len(profiles)))
+  return dict(wall=wall - compile_s, compile_s=compile_s, turns=stats.policy_turns, policy_tokens=stats.policy_tokens,
+              policy_s=policy.seconds, policy_in=policy.appended, sim_tokens=backend.generated_tokens,
+              sim_s=sim.seconds, sim_in=sim.appended,
+              sim_context=max(len(t) for t in backend.tokens),
+              turns_per_dialogue=float(np.mean([len(d.policy_replies) for d in dialogues])))
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--dialogues", type=int, default=8)
+  ap.add_argument("--turns", type=int, default=4)
+  ap.add_argument("--policy-new", type=int, default=32)
+  ap.add_argument("--sim-new", type=int, default=48)
+  ap.add_argument("--policy-context", type=int, default=1024)
+  ap.add_argument("--sim-context", type=int, default=4096, help="3072 (runlocal) overflows at 4 turns")
+  ap.add_argument("--no-think", dest="think", action="store_false")
+  ap.add_argument("--reps", type=int, default=1, help="timed rollouts per variant")
+  ap.add_argument("--no-warmup", dest="warmup", action="store_false",
+                  help="skip the untimed warm-up rollout (compile time is subtracted either way)")
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--quick", action="store_true",
+                  help="2 dialogues x 2 turns (max_turns as in :runlocal), no warm-up: fits a slow CPU")
+  args = ap.parse_args()
+  if args.quick:
+    args.dialogues, args.turns, args.warmup = 2, 2, False
+
+  path = embedded_model_dir()
+  chat = ChatTokens(load_tokenizer(path))
+  model, _ = load_pretrained(path, dtype=jnp.float32)
+  params = nnx.state(model)
+  kinds = ("cached", "re-prefill")
+  warm, runs = None, {k: [] for k in kinds}
+  if args.warmup:  # compiles most programs (jit caches are shared by every Sampler of this model)
+    COUNTER.reset()
+    warm = rollout("cached", model, params, chat, args, args.seed)
+    warm["compiles"] = COUNTER.count
+    print(f"warm-up cached: {warm['wall'] + warm['compile_s']:.1f} s incl. {warm['compile_s']:.1f} s "
+          f"compile ({warm['compiles']} programs)", flush=True)
+  for rep in range(args.reps):
+    for k in kinds:
+      COUNTER.reset()
+      r = rollout(k, model, params, chat, args, args.seed)
+      r["compiles"] = COUNTER.count
+      runs[k].append(r)
+      print(f"timed {k}: {r['wall']:.1f} s net of {r['compile_s']:.1f} s compile ({r['compiles']} "
+            f"programs), {r['turns']} policy turns, policy {r['policy_tokens']} tok in "
+            f"{r['policy_s']:.1f} s, simulator {r['sim_tokens']} tok in {r['sim_s']:.1f} s", flush=True)
+
+  print()
+  print(f"Command: `{command_line()}`\n")
+  print(machine_info() + "\n")
+  print(f"{args.dialogues} dialogues (demo profiles), max_turns={args.turns}, think={args.think}, policy "
+        f"{args.policy_new} new tokens/turn (T=1.0), simulator {args.sim_new} (T=0.7, top-p 0.9); fp32 "
+        f"SmolLM2-135M for both, caches {args.policy_context} / {args.sim_context} slots. "
+        f"{args.reps} timed rollout(s) per variant (alternating, medians) after "
+        f"{'one warm-up rollout' if args.warmup else 'no warm-up'}; every time is net of the XLA "
+        f"compile + trace seconds measured during it (jax.monitoring).\n")
+  res = {k: {f: median([r[f] for r in runs[k]]) for f in runs[k][0]} for k in kinds}
+  rows = []
+  for k in kinds:
+    r = res[k]
+    rows.append([k, f"{r['wall']:.1f}", r["turns"], f"{r['turns'] / r['wall']:.3f}",
+                 f"{r['policy_tokens']} / {r['policy_s']:.1f}",
+                 f"{r['policy_tokens'] / r['policy_s']:.1f}", f"{r['sim_tokens']} / {r['sim_s']:.1f}",
+                 f"{r['sim_tokens'] / r['sim_s']:.1f}",
+                 f"{(r['policy_tokens'] + r['sim_tokens']) / r['wall']:.1f}",
+                 f"{r['policy_in']:,} / {r['sim_in']:,}"])
+  print(table(["variant", "wall s", "policy turns", "turns/s", "policy gen tok / its s",
+               "policy tok/s", "sim gen tok / its s", "sim tok/s", "all gen tok/s (wall)",
+               "tokens prefilled policy / sim"], rows))
+  c, p = res["cached"], res["re-prefill"]
+  print()
+  print(table(["ratio cached / re-prefill", "value"], [
+      ["turns/s", f"{(c['turns'] / c['wall']) / (p['turns'] / p['wall']):.2f}x"],
+      ["policy tok/s (its own time)", f"{(c['policy_tokens'] / c['policy_s']) / (p['policy_tokens'] / p['policy_s']):.2f}x"],
+      ["simulator tok/s (its own time)", f"{(c['sim_tokens'] / c['sim_s']) / (p['sim_tokens'] / p['sim_s']):.2f}x"],
+      ["wall time", f"{p['wall'] / c['wall']:.2f}x"],
+  ]))
+  print()
+  print(table(["variant", "compiles in timed run", "compile+trace s subtracted",
+               "mean policy turns/dialogue", "longest simulator context (tokens)"],
+              [[k, res[k]["compiles"], f"{res[k]['compile_s']:.1f}", f"{res[k]['turns_per_dialogue']:.2f}",
+                res[k]["sim_context"]] for k in kinds]))
+  if warm:
+    print(f"\nWarm-up (cached, first in the process): {warm['wall'] + warm['compile_s']:.1f} s of which "
+          f"{warm['compile_s']:.1f} s compile + trace, {warm['compiles']} XLA programs.")
+
+
+if __name__ == "__main__":
+  main()

@@ -17,6 +17,7 @@ not a crash.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -94,14 +95,23 @@ class MemoryRow:
 # -- topologies ------------------------------------------------------------------------------------
 
 
-def _quiet_libtpu_init() -> None:
-  # Off a TPU VM libtpu cannot discover its host and logs warnings; these values only describe this
-  # (compile-only) process, every topology is given explicitly.
-  if not os.path.exists("/dev/accel0") and not os.path.exists("/dev/vfio"):
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    # No TPU to share: let several compile-only processes (a report and a test run) load libtpu.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+@contextlib.contextmanager
+def _quiet_libtpu_init():
+  """Off a TPU VM libtpu cannot discover its host and logs warnings; these values only describe this
+  (compile-only) process while libtpu starts, every topology is given explicitly. They are removed
+  afterwards: child processes (a training run) must not take this machine for a TPU VM."""
+  on_tpu = os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio")
+  values = {} if on_tpu else {
+      "TPU_ACCELERATOR_TYPE": "v5p-8", "TPU_WORKER_HOSTNAMES": "localhost",
+      # No TPU to share: let several compile-only processes (a report and a test run) load libtpu.
+      "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+  added = [k for k in values if k not in os.environ]
+  os.environ.update({k: values[k] for k in added})
+  try:
+    yield
+  finally:
+    for k in added:
+      os.environ.pop(k, None)
 
 
 def _require_libtpu() -> None:
@@ -128,9 +138,9 @@ def get_topology(name: str) -> list[jax.Device]:
   if len(dims) <= 3 and math.prod(dims) < 4:
     # libtpu assumes 2x2 chips per host; a single-chip slice (v5e:1x1) has to say it has fewer.
     kwargs["chips_per_host_bounds"] = tuple(dims) + (1,) * (3 - len(dims))
-  _quiet_libtpu_init()
   try:
-    return list(topologies.get_topology_desc(topology_name=name, platform="tpu", **kwargs).devices)
+    with _quiet_libtpu_init():
+      return list(topologies.get_topology_desc(topology_name=name, platform="tpu", **kwargs).devices)
   except RuntimeError as e:
     if "TPU support not installed" in str(e):
       raise AotError(f"libtpu is not installed; compiling for TPU needs it: {_INSTALL}") from None

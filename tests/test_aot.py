@@ -4,6 +4,7 @@ libtpu describes any TPU slice without a TPU and without initialising a TPU back
 test process itself, next to JAX_PLATFORMS=cpu and the fake CPU devices.
 """
 import importlib.util
+import os
 import pathlib
 import runpy
 import sys
@@ -21,6 +22,8 @@ from rlver_jax.aot_programs import model_config  # noqa: E402
 from rlver_jax.models import presets  # noqa: E402
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
+_TPU_ENV = {k: os.environ.get(k) for k in
+            ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "ALLOW_MULTIPLE_LIBTPU_LOAD")}
 _GET_CONFIG = runpy.run_path(str(_REPO / "configs" / "aot_forward.py"))["get_config"]
 _RUN_CONFIGS = {name: runpy.run_path(str(_REPO / "configs" / f"{name}.py"))["get_config"]
                 for name in ("grpo_think", "ppo_think", "grpo_nothink")}
@@ -96,6 +99,12 @@ def test_unknown_topology_is_a_one_line_error(topology_ok):
     aot.get_topology("v9z:2x2")
   with pytest.raises(aot.AotError, match="invalid TPU topology 'nonsense'"):
     aot.get_topology("nonsense")
+
+
+def test_topology_leaves_no_tpu_environment_behind(topology_ok):
+  """Processes started after an AOT compile (a training run) must not think they are on a TPU VM."""
+  aot.get_topology("v5e:2x2")
+  assert {k: os.environ.get(k) for k in _TPU_ENV} == _TPU_ENV
 
 
 def test_missing_libtpu_is_a_one_line_error(monkeypatch):

@@ -24,7 +24,10 @@ flags.mark_flags_as_required(["config"])
 
 
 def _default_workdir() -> str:
-  name = os.path.splitext(os.path.basename(_CONFIG.config_filename.split(":")[0]))[0]
+  if jax.process_count() > 1:  # each host would take its own timestamp
+    raise app.UsageError("--workdir is required when running as several processes")
+  filename = config_flags.get_config_filename(flags.FLAGS["config"])
+  name = os.path.splitext(os.path.basename(filename.split(":")[0]))[0]
   return os.path.join("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
 
 

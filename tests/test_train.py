@@ -134,3 +134,16 @@ def test_bad_input_is_one_clear_line(world, tmp_path, flag, message):
   assert proc.returncode != 0
   last = [l for l in err.strip().splitlines() if l.strip()][-1]
   assert message in last, err[-3000:]
+
+
+def test_default_workdir_is_named_after_the_config(world, tmp_path):
+  """Without --workdir the run goes to ./runs/CONFIG-TIME (here it then stops at a bad profiles path)."""
+  args = [a for a in _flags(world, "grpo", tmp_path, 1) if not a.startswith("--workdir")]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO / "tests"))
+  proc = subprocess.run([sys.executable, "-m", "rlver_jax.main", *args,
+                         "--config.data.profiles=/nonexistent/p.jsonl"], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert "config.data.profiles" in proc.stderr.strip().splitlines()[-1]
+  made = list((tmp_path / "runs").glob("*")) if (tmp_path / "runs").exists() else []
+  assert all(p.name.startswith("grpo_nothink-") for p in made), made

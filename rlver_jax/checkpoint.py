@@ -6,6 +6,7 @@ item (step, profile-sampler state, config) so a resumed run continues exactly wh
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any
@@ -17,7 +18,9 @@ from etils import epath
 
 class Checkpointer:
   def __init__(self, workdir: str, *, every_steps: int, keep: int):
-    self.directory = epath.Path(workdir) / "checkpoints"
+    # orbax needs an absolute path; a local workdir may be given relative to the current folder.
+    root = workdir if "://" in workdir else os.path.abspath(workdir)
+    self.directory = epath.Path(root) / "checkpoints"
     self.every_steps = every_steps
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=True)

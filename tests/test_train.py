@@ -147,3 +147,17 @@ def test_default_workdir_is_named_after_the_config(world, tmp_path):
   assert "config.data.profiles" in proc.stderr.strip().splitlines()[-1]
   made = list((tmp_path / "runs").glob("*")) if (tmp_path / "runs").exists() else []
   assert all(p.name.startswith("grpo_nothink-") for p in made), made
+
+
+def test_checkpointer_takes_a_relative_workdir(tmp_path, monkeypatch):
+  """`--workdir=runs/x` (and the default ./runs/NAME-TIME) is relative; orbax wants absolute paths."""
+  monkeypatch.chdir(tmp_path)
+  state = {"w": jax.numpy.arange(4.0)}
+  ckpt = Checkpointer("runs/x", every_steps=1, keep=1)
+  ckpt.save(1, state, {"step": 1})
+  ckpt.wait()
+  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+  restored, meta = ckpt.restore(abstract)
+  ckpt.close()
+  np.testing.assert_array_equal(restored["w"], state["w"])
+  assert meta["step"] == 1 and (tmp_path / "runs" / "x" / "checkpoints" / "1").is_dir()

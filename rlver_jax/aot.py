@@ -79,6 +79,7 @@ class MemoryRow:
   alias_bytes: int | None = None
   code_bytes: int | None = None
   error: str | None = None
+  input_bytes: tuple[int, ...] = ()  # per-device bytes of each argument, as passed to the program
 
   @property
   def total_bytes(self) -> int | None:
@@ -180,10 +181,11 @@ def compile_program(name: str, config: ml_collections.ConfigDict, mesh: Mesh, to
   if name not in PROGRAMS:
     raise AotError(f"unknown program {name!r}; registered: {', '.join(PROGRAMS)}")
   shape = tuple(mesh.shape[a] for a in ("data", "fsdp", "tensor"))
-  row = MemoryRow(program=name, topology=topology, mesh=shape, hbm_bytes=hbm_bytes)
   # Built outside the mesh context: builders may make small concrete arrays (a sampler's stop ids),
   # which must not be placed on compile-only devices.
   fn, args = PROGRAMS[name](config, mesh)
+  row = MemoryRow(program=name, topology=topology, mesh=shape, hbm_bytes=hbm_bytes,
+                  input_bytes=tuple(aot_run.per_device_bytes(a) for a in args))
   with jax.set_mesh(mesh):  # the model's activation constraints read the ambient mesh
     lowered = fn.lower(*args)
     try:

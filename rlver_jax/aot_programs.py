@@ -139,10 +139,10 @@ def prefill_program(model: ml_collections.ConfigDict, batch: int, max_len: int, 
   """The largest append chunk (the prefill's, or a long turn's late in a dialogue) at the full window.
 
   A prefill onto an empty cache attends a small window; the same chunk appended to a nearly full
-  cache attends all of it. Compiling the latter bounds both.
+  cache attends all of it. Compiling the latter bounds both. (`append_program` caps the chunk at
+  the largest append bucket.)
   """
-  largest = _sampler(model, batch, max_len, mesh)[0].append_buckets[-1]
-  return append_program(model, batch, max_len, largest, mesh)
+  return append_program(model, batch, max_len, max_len, mesh)
 
 
 def decode_program(model: ml_collections.ConfigDict, batch: int, max_len: int, max_new: int,
@@ -192,9 +192,8 @@ def micro_batch_rows(config: ml_collections.ConfigDict, mesh: Mesh | None = None
 
 def micro_batches(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> int:
   """M of one update step: the packed rows (padded like `train.pack`) over micro- and mini-batches."""
-  mb = micro_batch_rows(config, mesh)
-  rows = mb * config.rl.mini_batches
-  return -(-num_samples(config) // rows) * rows // mb // config.rl.mini_batches
+  rows = micro_batch_rows(config, mesh) * config.rl.mini_batches
+  return -(-num_samples(config) // rows)
 
 
 def _sampler_role(config: ml_collections.ConfigDict, role: str):

@@ -40,6 +40,7 @@ class Row(Protocol):
   error: str | None
   argument_bytes: int | None
   total_bytes: int | None
+  input_bytes: tuple[int, ...]
 
 
 def is_run_config(config: ml_collections.ConfigDict) -> bool:
@@ -122,12 +123,11 @@ def resident_state(config: ml_collections.ConfigDict, mesh: Mesh) -> dict[str, d
   return {"rollout": rollout, "update": common}
 
 
-def private_bytes(row: Row, config: ml_collections.ConfigDict, mesh: Mesh) -> int | None:
+def private_bytes(row: Row) -> int | None:
   """What a compiled run program adds to the resident state; None if it did not compile."""
   if row.error is not None:
     return None
-  _, args = ap.PROGRAMS[row.program](config, mesh)
-  return row.total_bytes - row.argument_bytes + per_device_bytes(args[2:])
+  return row.total_bytes - row.argument_bytes + sum(row.input_bytes[2:])
 
 
 # -- phases --------------------------------------------------------------------------------------
@@ -159,7 +159,7 @@ class Plan:
   """The memory plan of one training config on one mesh: resident state per phase, then phases."""
 
   def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh, hbm_bytes: int):
-    self.config, self.mesh, self.hbm_bytes = config, mesh, hbm_bytes
+    self.hbm_bytes = hbm_bytes
     self.state = resident_state(config, mesh)
     self.programs = {"rollout": rollout_programs(config), "update": update_programs(config)}
 
@@ -176,7 +176,7 @@ class Plan:
 
   def row_misfit(self, row: Row) -> str | None:
     """Why one compiled program cannot fit next to its phase's resident state, if it cannot."""
-    private = private_bytes(row, self.config, self.mesh)
+    private = private_bytes(row)
     if private is None:
       return f"{row.program} is out of HBM on its own"
     state = sum(self.state[self.phase_of(row.program)].values())
@@ -192,7 +192,7 @@ class Plan:
     for name, programs in self.programs.items():
       if not all(p in by_name for p in programs):
         continue
-      private = {p: private_bytes(by_name[p], self.config, self.mesh) for p in programs}
+      private = {p: private_bytes(by_name[p]) for p in programs}
       known = {p: b for p, b in private.items() if b is not None}
       worst = max(known, key=known.get) if known else programs[0]
       need = known[worst] if len(known) == len(private) else None

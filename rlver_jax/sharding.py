@@ -57,8 +57,10 @@ class ShardingRules:
   """Maps logical axis names to mesh axes. Unknown names are replicated."""
   rules: tuple[tuple[str, MeshAxes], ...]
 
-  def mesh_axes(self, logical: str | None) -> MeshAxes:
-    return dict(self.rules).get(logical) if logical else None
+  def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
+    """The mesh axes a logical axis maps to, in order; () when it is replicated."""
+    axes = dict(self.rules).get(logical) if logical else None
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
 
   def spec(self, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None,
            mesh: Mesh | None = None) -> PartitionSpec:
@@ -70,10 +72,8 @@ class ShardingRules:
     used: set[str] = set()
     out = []
     for i, name in enumerate(logical_axes):
-      axes = self.mesh_axes(name)
-      axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
       kept = []
-      for ax in axes:
+      for ax in self.mesh_axes(name):
         if ax in used:
           continue
         if mesh is not None and shape is not None:
@@ -109,9 +109,7 @@ DEFAULT_RULES = ShardingRules((
 
 def batch_shards(mesh: Mesh, rules: ShardingRules | None = None) -> int:
   """How many ways the "batch" logical axis is split on `mesh` (data x fsdp by default)."""
-  axes = (rules or DEFAULT_RULES).mesh_axes("batch")
-  axes = (axes,) if isinstance(axes, str) else axes or ()
-  return math.prod(mesh.shape[a] for a in axes)
+  return math.prod(mesh.shape[a] for a in (rules or DEFAULT_RULES).mesh_axes("batch"))
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None],

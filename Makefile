@@ -22,8 +22,10 @@ install: $(STAMP)
 embedded: install
 	$(BIN)/python -m rlver_jax.models.embedded
 
+# CPU unless the caller sets JAX_PLATFORMS: the :runlocal run is CPU-sized, and an installed libtpu
+# would otherwise probe for a TPU first and print an error before falling back.
 demo: embedded
-	$(BIN)/python -m rlver_jax.main --config=configs/grpo_think.py:runlocal
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(BIN)/python -m rlver_jax.main --config=configs/grpo_think.py:runlocal
 
 test: install
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=15 tests

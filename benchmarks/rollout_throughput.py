@@ -13,6 +13,8 @@ Same seeds; after a warm-up rollout per variant (compiles), timed rollouts alter
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import pathlib
 import time
 
 import _common  # noqa: F401
@@ -34,6 +36,7 @@ from rlver_jax.sampling.strategies import SamplingParams
 
 
 COUNTER = CompileCounter()
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _overhead() -> float:
@@ -86,10 +89,22 @@ class RePrefillSampler(TimedSampler):
     return res
 
 
+def trainer_buckets() -> dict[str, tuple[int, ...]]:
+  """Append buckets per role as the shipped training config sets them."""
+  spec = importlib.util.spec_from_file_location("base", REPO / "configs" / "base.py")
+  base = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(base)
+  c = base.get_base_config("grpo", True, None)
+  return {role: tuple(c[role].append_buckets) for role in ("policy", "simulator")}
+
+
 def make_samplers(kind: str, model, chat: ChatTokens, args):
   cls = RePrefillSampler if kind == "re-prefill" else TimedSampler
-  policy = cls(model, max_len=args.policy_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id)
-  sim = cls(model, max_len=args.sim_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id)
+  buckets = trainer_buckets()
+  policy = cls(model, max_len=args.policy_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
+               append_buckets=buckets["policy"])
+  sim = cls(model, max_len=args.sim_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
+            append_buckets=buckets["simulator"])
   return policy, sim
 
 

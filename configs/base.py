@@ -42,6 +42,9 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.policy.compute_dtype = "bfloat16"
   c.policy.remat = "full"
   c.policy.max_context = 8192        # KV cache slots per dialogue (all turns)
+  # Appended token counts are padded up to one of these (one compiled program each); the largest is
+  # also the chunk a long prefill is cut into. Policy appends: user turns (~16-64 tokens), prefills.
+  c.policy.append_buckets = (16, 64, 256, 1024)
   c.policy.think = think
   c.policy.keep_thoughts = False     # think mode: earlier thoughts are dropped from later turns
   c.policy.max_new_tokens = 1024     # per turn (the reference allows 5,000)
@@ -60,6 +63,8 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.simulator.dtype = "bfloat16"
   c.simulator.style = args.get("simulator", "vanilla")
   c.simulator.max_context = 16384
+  # Simulator appends are a policy reply plus an instruction, ~150-700 tokens: finer buckets there.
+  c.simulator.append_buckets = (64, 128, 256, 512, 1024)
   c.simulator.max_new_tokens = 512
   c.simulator.temperature = 0.7
   c.simulator.top_p = 0.9

@@ -56,6 +56,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.policy.compute_dtype = "bfloat16"
   c.policy.remat = "none"
   c.policy.max_context = 16384       # KV slots per dialogue: system prompt + 9 turns, thoughts dropped
+  c.policy.append_buckets = (16, 64, 256, 1024)  # padded append lengths (see configs/base.py)
   c.policy.think = args.get("think", "true") == "true"
   c.policy.keep_thoughts = False     # think mode: earlier thoughts are dropped from later turns
   c.policy.max_new_tokens = 1024     # per policy turn, thought included
@@ -71,6 +72,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.simulator.dtype = "bfloat16"
   c.simulator.style = args.get("simulator", "vanilla")
   c.simulator.max_context = 20480    # persona + background, then ~1.3k tokens per turn for 9 turns
+  c.simulator.append_buckets = (64, 128, 256, 512, 1024)
   c.simulator.max_new_tokens = 512
   c.simulator.temperature = 0.7
   c.simulator.top_p = 0.9

@@ -31,7 +31,7 @@ from rlver_jax.models.presets import Qwen2Config, get_preset, param_dtype_of
 from rlver_jax.models.qwen2 import Head, Qwen2
 from rlver_jax.rl.update import Updater, make_optimizer
 from rlver_jax.sampling.kv_cache import KVCache
-from rlver_jax.sampling.sampler import Sampler, bucket
+from rlver_jax.sampling.sampler import DEFAULT_APPEND_BUCKETS, Sampler, bucket
 from rlver_jax.sampling.strategies import SamplingParams
 from rlver_jax.sharding import DEFAULT_RULES, ShardingRules, batch_shards
 
@@ -117,8 +117,9 @@ def _sampler(model: ml_collections.ConfigDict, batch: int, max_len: int, mesh: M
   module = _module(model)
   config = model_config(model)
   stop_ids = config.eos_token_id if isinstance(config.eos_token_id, tuple) else (0,)
+  buckets = model.get("append_buckets") or DEFAULT_APPEND_BUCKETS
   sampler = Sampler(module, max_len=max_len, stop_ids=stop_ids, pad_id=config.pad_token_id or 0,
-                    mesh=mesh)
+                    append_buckets=buckets, mesh=mesh)
   _, params = abstract_params(model, mesh)
   return sampler, params, abstract_cache(config, batch, max_len, sampler.cache_dtype, mesh)
 
@@ -165,14 +166,15 @@ def policy_model(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
   """The policy (and critic) as the AOT tool describes a model: fp32 master params, bf16 compute."""
   p = config.policy
   return ml_collections.ConfigDict(dict(preset=p.preset, param_dtype=p.param_dtype,
-                                        dtype=p.compute_dtype, remat=p.remat))
+                                        dtype=p.compute_dtype, remat=p.remat,
+                                        append_buckets=tuple(p.append_buckets)))
 
 
 def simulator_model(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The co-located simulator: frozen, params and compute in `simulator.dtype`, no remat."""
   s = config.simulator
   return ml_collections.ConfigDict(dict(preset=s.preset, param_dtype=s.dtype, dtype=s.dtype,
-                                        remat="none"))
+                                        remat="none", append_buckets=tuple(s.append_buckets)))
 
 
 def num_dialogues(config: ml_collections.ConfigDict) -> int:

@@ -101,9 +101,20 @@ def load_critic(config, mesh, policy_path: str):
   return model
 
 
+def append_buckets(config, role: str) -> tuple[int, ...]:
+  """config.<role>.append_buckets, checked: strictly ascending positive token counts."""
+  buckets = tuple(config[role].append_buckets)
+  ok = (buckets and all(isinstance(b, int) and b > 0 for b in buckets)
+        and list(buckets) == sorted(set(buckets)))
+  if not ok:
+    raise ConfigError(f"config.{role}.append_buckets={buckets!r}: must be strictly ascending positive "
+                      "token counts, e.g. (16, 64, 256, 1024)")
+  return buckets
+
+
 def policy_sampler(model, chat: ChatTokens, config, mesh) -> Sampler:
   return Sampler(model, max_len=config.policy.max_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
-                 mesh=mesh)
+                 append_buckets=append_buckets(config, "policy"), mesh=mesh)
 
 
 def simulator_backend(config, mesh):
@@ -125,6 +136,7 @@ def simulator_backend(config, mesh):
   path = resolve_checkpoint(s.checkpoint, "simulator.checkpoint")
   model, _ = load_pretrained(path, dtype=param_dtype_of(s.dtype), mesh=mesh)
   chat = ChatTokens(load_tokenizer(path))
-  sampler = Sampler(model, max_len=s.max_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id, mesh=mesh)
+  sampler = Sampler(model, max_len=s.max_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
+                    append_buckets=append_buckets(config, "simulator"), mesh=mesh)
   return ModelBackend(sampler, nnx.state(model), chat, max_new_tokens=s.max_new_tokens,
                       sampling=SamplingParams.make(s.temperature, s.top_p, s.top_k), seed=config.seed + 1)

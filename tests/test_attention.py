@@ -1,11 +1,12 @@
-"""Grouped-query attention against a per-head numpy reference, and blocked queries == one block
-(values and gradients), including padded query rows and fully masked rows."""
+"""Grouped-query attention against a per-head numpy reference, blocked queries == one block
+(values and gradients), and keys split in segments (the cached-decode path) == concatenated keys,
+including padded query rows and fully masked rows."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlver_jax.models.qwen2 import attention
+from rlver_jax.models.qwen2 import attention, segment_attention
 
 
 def _inputs(B=2, T=40, W=8, H=6, K=2, Dh=16, seed=0):
@@ -57,3 +58,21 @@ def test_query_blocks_equal_one_block_with_gradients(q_block):
     np.testing.assert_allclose(a, b, atol=1e-5)
   np.testing.assert_allclose(attention(q, k, v, mask, q_block=q_block), _reference(q, k, v, mask),
                              atol=2e-5)
+
+
+@pytest.mark.parametrize("q_block", [10**6, 16])
+def test_key_segments_equal_concatenated_keys(q_block):
+  """A cache window [B, K, W, Dh] + new tokens as two segments with one softmax == one key set."""
+  q, k, v, mask = _inputs()
+  W = 8
+  gemm = lambda a: jnp.asarray(a).transpose(0, 2, 1, 3)
+  segments = ((gemm(k[:, :W]), gemm(v[:, :W]), mask[:, :, :W]),
+              (gemm(k[:, W:]), gemm(v[:, W:]), mask[:, :, W:]))
+  got = segment_attention(q, segments, q_block=q_block)
+  np.testing.assert_allclose(got, _reference(q, k, v, mask), atol=2e-5)
+  # Fully masked query rows (row 1's padding) are uniform over all keys of all segments, as in one set.
+  np.testing.assert_allclose(got[1, -3:], attention(q, k, v, mask)[1, -3:], atol=2e-5)
+  w = np.random.default_rng(2).standard_normal(q.shape).astype(np.float32)
+  g_seg = jax.grad(lambda q: jnp.sum(segment_attention(q, segments, q_block=q_block) * w))(q)
+  g_one = jax.grad(lambda q: jnp.sum(attention(q, k, v, mask) * w))(q)
+  np.testing.assert_allclose(g_seg, g_one, atol=1e-5)

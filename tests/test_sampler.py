@@ -204,7 +204,7 @@ def test_mesh_gives_single_device_results(tmp_path):
       cache, logits = sampler.prefill(params, sampler.init_cache(4), prompts)
       if m is not None:
         assert cache.k.sharding.spec[1] == ("data", "fsdp")
-        assert cache.k.sharding.spec[3] == "tensor"
+        assert cache.k.sharding.spec[2] == "tensor"
       res = sampler.decode(params, cache, logits, rng=jax.random.key(5), max_new_tokens=10,
                            sampling=SamplingParams.make(0.9, top_p=0.95))
     results.append(res)

@@ -128,24 +128,25 @@ class Qwen2(nnx.Module):
     """Runs T new tokens per row after each row's cached `lengths`; returns (hidden, k, v).
 
     input_ids/positions [B, T] (rows right-padded; padded tokens land past the row's new length and
-    are never attended by real tokens); cache_k/v [L, B, S, K, Dh]. Each layer attends to the first
-    `window` (static) cache slots plus the new tokens, so its cost follows the filled length, not S.
-    The cache is only read inside the layer scan; the new keys/values of all layers are written with
-    one scatter afterwards (in place on a donated buffer).
+    are never attended by real tokens); cache_k/v [L, B, K, S, Dh]. Each layer attends to the first
+    `window` (static) cache slots and to the new tokens as two key segments with one softmax, so its
+    cost follows the filled length, not S, and the cache is never concatenated or transposed. The
+    cache is only read inside the layer scan; the new keys/values of all layers are written with one
+    scatter afterwards (in place on a donated buffer).
     """
     B, T = input_ids.shape
     slot = lengths[:, None] + jnp.arange(T)[None, :]                    # [B, T] where each token lands
     old = jnp.arange(window)[None, None, :] < lengths[:, None, None]    # [B, 1, W] filled slots
     new = jnp.arange(T)[None, :, None] >= jnp.arange(T)[None, None, :]  # [1, T, T] causal
-    mask = jnp.concatenate([jnp.broadcast_to(old, (B, T, window)),
-                            jnp.broadcast_to(new, (B, T, T))], axis=-1)
+    masks = (jnp.broadcast_to(old, (B, T, window)), jnp.broadcast_to(new, (B, T, T)))
     x = self._embed(input_ids)
-    x, (new_k, new_v) = self._run_layers(x, positions, mask,
-                                         cache=(cache_k[:, :, :window], cache_v[:, :, :window]))
+    x, (new_k, new_v) = self._run_layers(x, positions, masks, cache=(cache_k, cache_v, window))
+    # new_k/v [L, B, K, T, Dh]; the scatter below indexes (B, T) and takes updates as [B, T, L, K, Dh].
     rows = jnp.arange(B)[:, None]
+    upd = lambda a, c: a.transpose(1, 3, 0, 2, 4).astype(c.dtype)
     # Out-of-range slots (padding past the preallocated end) are dropped; real ones are kept in range.
-    cache_k = cache_k.at[:, rows, slot].set(new_k.astype(cache_k.dtype), mode="drop")
-    cache_v = cache_v.at[:, rows, slot].set(new_v.astype(cache_v.dtype), mode="drop")
+    cache_k = cache_k.at[:, rows, :, slot].set(upd(new_k, cache_k), mode="drop")
+    cache_v = cache_v.at[:, rows, :, slot].set(upd(new_v, cache_v), mode="drop")
     return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps), cache_k, cache_v
 
   def logits(self, hidden: jax.Array) -> jax.Array:
@@ -181,12 +182,19 @@ class Qwen2(nnx.Module):
       x, _ = jax.lax.scan(body, x, layer_params)
       return x, None
 
-    def body_cached(h, p_kv):
-      p, k_w, v_w = p_kv
-      h, kv = block(h, p, cos, sin, mask, (k_w, v_w))
+    cache_k, cache_v, window = cache
+
+    def layer_window(c, l):  # this layer's first `window` slots, sliced inside the scan body
+      L, B, K, _, Dh = c.shape
+      return jax.lax.dynamic_slice(c, (l, 0, 0, 0, 0), (1, B, K, window, Dh))[0]
+
+    def body_cached(h, p_l):
+      p, l = p_l
+      h, kv = block(h, p, cos, sin, mask, (layer_window(cache_k, l), layer_window(cache_v, l)))
       return h, kv
 
-    x, new_kv = jax.lax.scan(body_cached, x, (layer_params,) + tuple(cache))
+    layers = jnp.arange(c.num_layers)
+    x, new_kv = jax.lax.scan(body_cached, x, (layer_params, layers))
     return x, new_kv
 
 
@@ -223,10 +231,11 @@ def _proj(x, w, dtype, spec: str):
 
 
 def _block(x, p, cos, sin, mask, cache, *, config: Qwen2Config, dtype):
-  """One decoder layer. mask [B, T, keys]; cache: this layer's (k, v) window [B, W, K, Dh] or None.
+  """One decoder layer. Without a cache: mask [B, T, T], attention over the new tokens only.
 
-  With a cache, attention runs over [cached window ; new tokens] and the new tokens' (k, v) are
-  returned for the caller to write; without, over the new tokens only.
+  With a cache (this layer's (k, v) window [B, K, W, Dh]): mask is (cache mask [B, T, W], new-token
+  mask [B, T, T]), attention runs over both, and the new tokens' (k, v) [B, K, T, Dh] are returned
+  for the caller to write.
   """
   c = config
   h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
@@ -238,12 +247,14 @@ def _block(x, p, cos, sin, mask, cache, *, config: Qwen2Config, dtype):
   q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "act_heads", None))
   k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "act_kv_heads", None))
   v = constrain(v, ("batch", "seq", "act_kv_heads", None))
-  new_kv = None
-  if cache is not None:
-    new_kv = (k, v)
-    k = jnp.concatenate([cache[0].astype(dtype), k], axis=1)
-    v = jnp.concatenate([cache[1].astype(dtype), v], axis=1)
-  attn = attention(q, k, v, mask)
+  if cache is None:
+    new_kv = None
+    attn = attention(q, k, v, mask)
+  else:  # keys in two segments: the cache window and the new tokens, in [B, K, S, Dh] layout
+    new_kv = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+    segments = ((cache[0].astype(dtype), cache[1].astype(dtype), mask[0]),
+                (new_kv[0], new_kv[1], mask[1]))
+    attn = segment_attention(q, segments)
   x = x + _proj(attn, p["wo"], dtype, "bthk,hkd->btd")
   x = constrain(x, ("batch", "seq", "act_embed"))
   h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
@@ -254,42 +265,63 @@ def _block(x, p, cos, sin, mask, cache, *, config: Qwen2Config, dtype):
   return constrain(x, ("batch", "seq", "act_embed")), new_kv
 
 
+Segment = tuple[jax.Array, jax.Array, jax.Array]  # keys, values [B, K, S, Dh]; mask [B, T, S]
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
               q_block: int = Q_BLOCK) -> jax.Array:
-  """Grouped-query attention. q [B, T, H, Dh], k/v [B, S, K, Dh], mask [B, T, S] -> [B, T, H, Dh].
+  """Grouped-query attention. q [B, T, H, Dh], k/v [B, S, K, Dh], mask [B, T, S] -> [B, T, H, Dh]."""
+  return segment_attention(q, ((k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask),), q_block)
 
-  Queries go in blocks of `q_block` (a `lax.map` whose body is rematerialised), so scores and their
-  gradients take [B, H, q_block, S] at a time instead of [B, H, T, S]: for an 8k-token training row
-  of a 7B model that is 1.8 GiB per 4 rows instead of 28 GiB. Shorter inputs take one block.
+
+def segment_attention(q: jax.Array, segments: tuple[Segment, ...], q_block: int = Q_BLOCK) -> jax.Array:
+  """Attention of q [B, T, H, Dh] over the union of key segments, with one softmax across them.
+
+  Segments (e.g. a cached window and the new tokens) are never concatenated: each gets its own
+  score matmul and the softmax is combined from their maxima and sums, so decoding does not copy
+  the cache every step. Queries go in blocks of `q_block` (a `lax.map` whose body is
+  rematerialised), so scores and their gradients take [B, H, q_block, S] at a time instead of
+  [B, H, T, S]: for an 8k-token training row of a 7B model that is 1.8 GiB per 4 rows instead of
+  28 GiB. Shorter inputs take one block.
   """
   B, T, H, Dh = q.shape
   if T <= q_block:
-    return _attend(q, k, v, mask)
+    return _attend(q, segments)
   n = -(-T // q_block)
   pad = n * q_block - T  # padded query rows see nothing (uniform probs) and are cut off below
   q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
-  mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)))
-  blocks = (q.reshape(B, n, q_block, H, Dh).swapaxes(0, 1),
-            mask.reshape(B, n, q_block, mask.shape[-1]).swapaxes(0, 1))
-  block = jax.checkpoint(lambda qm: _attend(qm[0], k, v, qm[1]))
-  out = jax.lax.map(block, blocks)  # [n, B, q_block, H, Dh]
+  blocked = lambda a: a.reshape((B, n, q_block) + a.shape[2:]).swapaxes(0, 1)
+  masks = tuple(blocked(jnp.pad(m, ((0, 0), (0, pad), (0, 0)))) for _, _, m in segments)
+  kvs = tuple((k, v) for k, v, _ in segments)
+
+  def one_block(qm):
+    qb, mb = qm
+    return _attend(qb, tuple((k, v, m) for (k, v), m in zip(kvs, mb)))
+
+  out = jax.lax.map(jax.checkpoint(one_block), (blocked(q), masks))  # [n, B, q_block, H, Dh]
   return out.swapaxes(0, 1).reshape(B, n * q_block, H, Dh)[:, :T]
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """`attention` in one block.
+def _attend(q: jax.Array, segments: tuple[Segment, ...]) -> jax.Array:
+  """`segment_attention` in one query block.
 
   Both products are plain batched matmuls over leading (B, K) with the G query heads of a KV head
   folded into the rows: XLA:CPU runs that layout as a library GEMM, where batch dims in the middle
   (the einsum written directly on [B, T, K, G, Dh]) fell back to a loop nest ~2.7x slower at 1k tokens.
   """
   B, T, H, Dh = q.shape
-  S, K = k.shape[1], k.shape[2]
+  K = segments[0][0].shape[1]
   G = H // K
   qg = q.reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, Dh)
-  kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-  scores = jnp.einsum("bkqd,bksd->bkqs", qg, kt, preferred_element_type=_F32) / math.sqrt(Dh)
-  scores = jnp.where(mask[:, None, None], scores.reshape(B, K, G, T, S), _MASKED)
-  probs = jax.nn.softmax(scores, axis=-1).reshape(B, K, G * T, S)
-  out = jnp.einsum("bkqs,bksd->bkqd", probs.astype(v.dtype), vt, preferred_element_type=_F32)
+  scores = []
+  for k, _, mask in segments:
+    s = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=_F32) / math.sqrt(Dh)
+    scores.append(jnp.where(mask[:, None, None], s.reshape(B, K, G, T, -1), _MASKED))
+  top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
+  exps = [jnp.exp(s - top) for s in scores]
+  total = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)  # >= 1: the max term is exp(0)
+  out = 0.0
+  for e, (_, v, _) in zip(exps, segments):
+    p = (e / total).reshape(B, K, G * T, -1).astype(v.dtype)
+    out = out + jnp.einsum("bkqs,bksd->bkqd", p, v, preferred_element_type=_F32)
   return out.reshape(B, K, G, T, Dh).transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh).astype(q.dtype)

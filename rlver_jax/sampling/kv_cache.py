@@ -1,7 +1,9 @@
 """The preallocated, sharded KV cache: an explicit pytree that every sampler step takes and returns.
 
-Shapes: k/v [L, B, S, K, Dh] (layers, rows, slots, KV heads, head dim); lengths [B] = filled slots per
+Shapes: k/v [L, B, K, S, Dh] (layers, rows, KV heads, slots, head dim); lengths [B] = filled slots per
 row. A row's tokens occupy slots 0..lengths-1 in order, so the slot index is also the RoPE position.
+Slots sit next to head dim so that a layer's window [B, K, W, Dh] is the batched-GEMM operand that
+attention reads directly, with no per-step transpose.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from jax.sharding import Mesh
 from rlver_jax.models.presets import Qwen2Config
 from rlver_jax.sharding import DEFAULT_RULES, ShardingRules, global_array
 
-KV_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+KV_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 LENGTH_AXES = ("batch",)
 
 
@@ -32,14 +34,14 @@ class KVCache:
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[2]
+    return self.k.shape[3]
 
   def bytes(self) -> int:
     return 2 * self.k.size * self.k.dtype.itemsize + self.lengths.size * 4
 
   @staticmethod
   def shapes(config: Qwen2Config, batch: int, max_len: int, dtype) -> "KVCache":
-    kv = jax.ShapeDtypeStruct((config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim),
+    kv = jax.ShapeDtypeStruct((config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim),
                               dtype)
     return KVCache(k=kv, v=kv, lengths=jax.ShapeDtypeStruct((batch,), jnp.int32))
 

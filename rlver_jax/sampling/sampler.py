@@ -27,6 +27,9 @@ from rlver_jax.sampling.strategies import SamplingParams, sample
 from rlver_jax.sharding import DEFAULT_RULES, host_array as _host
 
 
+DEFAULT_APPEND_BUCKETS = (16, 64, 256, 1024)
+
+
 def bucket(n: int, buckets: Sequence[int]) -> int:
   for b in buckets:
     if n <= b:
@@ -109,14 +112,15 @@ class Sampler:
   """
 
   def __init__(self, model: Qwen2, *, max_len: int, stop_ids: Sequence[int], pad_id: int = 0,
-               append_buckets: Sequence[int] = (16, 64, 256, 1024), min_window: int = 64,
+               append_buckets: Sequence[int] = DEFAULT_APPEND_BUCKETS, min_window: int = 64,
                mesh: jax.sharding.Mesh | None = None, cache_dtype=None):
     self.graphdef = nnx.graphdef(model)
     self.config = model.config
     self.max_len = max_len
     self.stop_ids = jnp.asarray(list(stop_ids), jnp.int32)
     self.pad_id = pad_id
-    self.append_buckets = tuple(sorted(append_buckets))
+    # No append can outgrow the cache, so buckets past max_len collapse into max_len.
+    self.append_buckets = tuple(sorted({min(b, max_len) for b in append_buckets}))
     self.windows = window_buckets(max_len, min_window)
     self.mesh = mesh
     self.cache_dtype = cache_dtype or model.dtype

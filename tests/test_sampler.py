@@ -177,6 +177,38 @@ def test_top_p_keeps_exactly_the_nucleus():
   np.testing.assert_allclose(np.asarray(mlp[toks == 1]), np.log(0.4), atol=1e-5)
 
 
+def _filter_reference(logits, top_k, top_p):
+  """Sort-based top-k then top-p in float64 numpy, the definition written out."""
+  out = np.full_like(logits, -np.inf)
+  for b, row in enumerate(logits.astype(np.float64)):
+    order = np.argsort(-row, kind="stable")
+    k = len(row) if top_k == 0 else min(top_k, len(row))
+    kept = row >= row[order[k - 1]]
+    z = np.where(kept, row, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    # a token stays in the nucleus when the mass strictly more likely than it is < top_p
+    above = np.array([p[p > pi].sum() for pi in p])
+    keep = kept & ((above < top_p) if top_p < 1 else True)
+    out[b] = np.where(keep, row, -np.inf)
+  return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_filter_equals_sorting_reference(seed):
+  """Bisection cut-offs == the sort-based definition, on wide and peaked rows with tied logits."""
+  r = np.random.default_rng(seed)
+  V = 3000
+  logits = r.standard_normal((4, V)).astype(np.float32) * np.array([[0.5], [2.0], [6.0], [1.0]], np.float32)
+  logits[3, :300] = logits[3, 0]  # a block of ties
+  for top_k, top_p in [(0, 0.9), (0, 0.5), (40, 1.0), (40, 0.8), (1, 1.0), (V + 5, 0.95), (0, 0.999)]:
+    got = np.asarray(filter_logits(jnp.asarray(logits), jnp.int32(top_k), jnp.float32(top_p)))
+    ref = _filter_reference(logits, top_k, top_p)
+    kept = got > -1e29
+    np.testing.assert_array_equal(kept, np.isfinite(ref), err_msg=f"top_k={top_k} top_p={top_p}")
+    np.testing.assert_array_equal(got[kept], logits[kept])
+
+
 def test_budget_and_inactive_rows(checkpoint):
   _, model = checkpoint
   params = nnx.state(model)

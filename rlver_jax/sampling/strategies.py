@@ -29,38 +29,80 @@ class SamplingParams:
     return SamplingParams(jnp.float32(temperature), jnp.float32(top_p), jnp.int32(top_k))
 
 
+def _order_keys(x: jax.Array) -> jax.Array:
+  """uint32 keys whose unsigned order is the float order of x (fp32)."""
+  u = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(1 << 31))
+
+
+def _smallest_key_where(keys: jax.Array, holds) -> jax.Array:
+  """Per row, the smallest uint32 key t with holds(t) [B] true, for a predicate monotone in t (false
+  below some point, true from it on): 32 steps of bisection, each one pass over the row."""
+  B = keys.shape[0]
+  lo = jnp.zeros((B,), jnp.uint32)                 # holds(t) may be false at lo
+  hi = jnp.full((B,), 0xFFFFFFFF, jnp.uint32)      # holds(hi) is assumed true
+
+  def step(_, bounds):
+    lo, hi = bounds
+    mid = lo + (hi - lo) // 2
+    ok = holds(mid)
+    return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+  lo, hi = jax.lax.fori_loop(0, 32, step, (lo, hi))
+  return hi
+
+
 def filter_logits(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
   """Masks tokens outside the top-k and outside the top-p nucleus (logits already temperature-scaled).
 
   The nucleus is the smallest set of most likely tokens whose mass reaches top_p; a token is kept
-  when the mass strictly before it is < top_p, so the most likely token is always kept.
+  when the mass of the tokens strictly more likely than it is < top_p, so the most likely token is
+  always kept (and ties with a kept token are kept). Both cut-offs are found by bisection on the
+  bit patterns of the values (32 passes over the row), not by sorting: XLA:CPU sorts a 49k
+  vocabulary at ~10 ms per row, which made a top-p decode step twice as slow as the model.
   """
   V = logits_BxV.shape[-1]
-  sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
-  k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-  kth = jnp.take(sorted_BxV, k - 1, axis=-1)[:, None]
-  sorted_BxV = jnp.where(sorted_BxV >= kth, sorted_BxV, _NEG)
-  probs = jax.nn.softmax(sorted_BxV, axis=-1)
-  mass_before = jnp.cumsum(probs, axis=-1) - probs
-  keep = mass_before < top_p
-  # Smallest kept logit = threshold; ties with it are kept too (measure zero for real logits).
-  threshold = jnp.min(jnp.where(keep, sorted_BxV, jnp.inf), axis=-1, keepdims=True)
-  return jnp.where(logits_BxV >= threshold, logits_BxV, _NEG)
+
+  def cut_top_k(logits):  # the smallest key t with count(keys > t) < k is the k-th largest's key
+    keys = _order_keys(logits)
+    k = jnp.minimum(top_k, V)
+    kth = _smallest_key_where(keys, lambda t: jnp.sum(keys > t[:, None], axis=-1) < k)
+    return jnp.where(keys >= kth[:, None], logits, _NEG)
+
+  def cut_top_p(logits):  # keep p_i when mass(p > p_i) < top_p; that mass only shrinks as t grows
+    probs = jax.nn.softmax(logits, axis=-1)
+    keys = _order_keys(probs)
+    cut = _smallest_key_where(
+        keys, lambda t: jnp.sum(jnp.where(keys > t[:, None], probs, 0.0), axis=-1) < top_p)
+    return jnp.where(keys >= cut[:, None], logits, _NEG)
+
+  logits = logits_BxV.astype(jnp.float32)
+  logits = jax.lax.cond(top_k > 0, cut_top_k, lambda x: x, logits)
+  logits = jax.lax.cond(top_p < 1.0, cut_top_p, lambda x: x, logits)
+  return logits.astype(logits_BxV.dtype)
+
+
+def _pick(x_BxV: jax.Array, tokens_B: jax.Array) -> jax.Array:
+  return jnp.take_along_axis(x_BxV, tokens_B[:, None], axis=-1)[:, 0]
 
 
 def sample(logits_BxV: jax.Array, key: jax.Array, params: SamplingParams):
-  """Returns (tokens [B], log-prob under the sampling distribution [B], raw model log-prob [B])."""
+  """Returns (tokens [B], log-prob under the sampling distribution [B], raw model log-prob [B]).
+
+  Greedy (temperature 0) takes the argmax with sampling log-prob 0 and skips the filters and the
+  random draw at run time (a `lax.cond` on the traced temperature): the argmax is always inside the
+  top-k and the nucleus, so the result is the same.
+  """
   logits = logits_BxV.astype(jnp.float32)
-  raw_logp = jax.nn.log_softmax(logits, axis=-1)
-  greedy = params.temperature <= 0
-  scaled = logits / jnp.where(greedy, 1.0, params.temperature)
-  needs_filter = (params.top_k > 0) | (params.top_p < 1.0)
-  # The sort behind filtering is the costly part of a step: skip it at run time when it is off.
-  scaled = jax.lax.cond(needs_filter, lambda x: filter_logits(x, params.top_k, params.top_p),
-                        lambda x: x, scaled)
-  sampled = jax.random.categorical(key, scaled, axis=-1)
-  tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
-  sample_logp = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], axis=-1)[:, 0]
-  sample_logp = jnp.where(greedy, 0.0, sample_logp)
-  model_logp = jnp.take_along_axis(raw_logp, tokens[:, None], axis=-1)[:, 0]
+
+  def greedy(_):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros(logits.shape[:1], jnp.float32)
+
+  def sampled(_):
+    scaled = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    tokens = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+    return tokens, _pick(scaled, tokens) - jax.nn.logsumexp(scaled, axis=-1)
+
+  tokens, sample_logp = jax.lax.cond(params.temperature <= 0, greedy, sampled, None)
+  model_logp = _pick(logits, tokens) - jax.nn.logsumexp(logits, axis=-1)
   return tokens, sample_logp, model_logp

@@ -1,7 +1,7 @@
 """KV-cache arithmetic for the Qwen2.5 presets: bytes per token and what fits next to the weights.
 
 Pure arithmetic from `rlver_jax.models.presets` (nothing is compiled or allocated). The sampler's cache
-is k/v [L, B, S, K, Dh] with the batch axis sharded over data x fsdp, so with the weights FSDP-sharded
+is k/v [L, B, K, S, Dh] with the batch axis sharded over data x fsdp, so with the weights FSDP-sharded
 over N chips each chip holds W/N of the weights and B/N of the cache rows. Per chip:
 
   cache budget = (1 - headroom) * HBM - weights / N,   tokens per chip = budget / kv_bytes_per_token

@@ -30,7 +30,7 @@ from rlver_jax.models.factory import abstract_model, state_shardings
 from rlver_jax.models.presets import Qwen2Config, get_preset, param_dtype_of
 from rlver_jax.models.qwen2 import Head, Qwen2
 from rlver_jax.rl.update import Updater, make_optimizer
-from rlver_jax.sampling.kv_cache import KVCache
+from rlver_jax.sampling.kv_cache import KVCache, default_layout
 from rlver_jax.sampling.sampler import DEFAULT_APPEND_BUCKETS, Sampler, bucket
 from rlver_jax.sampling.strategies import SamplingParams
 from rlver_jax.sharding import DEFAULT_RULES, ShardingRules, batch_shards
@@ -106,10 +106,15 @@ def _replicated(mesh: Mesh, tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), tree)
 
 
+# The programs are compiled for TPU while this process's backend is the CPU: name the layout.
+TPU_CACHE_LAYOUT = default_layout("tpu")
+
+
 def abstract_cache(config: Qwen2Config, batch: int, max_len: int, dtype, mesh: Mesh) -> KVCache:
-  """The sampler's KV cache as sharded ShapeDtypeStructs."""
-  return _with_shardings(KVCache.shapes(config, batch, max_len, dtype),
-                         KVCache.shardings(config, batch, max_len, dtype, mesh))
+  """The sampler's KV cache as sharded ShapeDtypeStructs, in the TPU layout."""
+  return _with_shardings(KVCache.shapes(config, batch, max_len, dtype, TPU_CACHE_LAYOUT),
+                         KVCache.shardings(config, batch, max_len, dtype, mesh,
+                                           layout=TPU_CACHE_LAYOUT))
 
 
 def _sampler(model: ml_collections.ConfigDict, batch: int, max_len: int, mesh: Mesh):
@@ -119,7 +124,7 @@ def _sampler(model: ml_collections.ConfigDict, batch: int, max_len: int, mesh: M
   stop_ids = config.eos_token_id if isinstance(config.eos_token_id, tuple) else (0,)
   buckets = model.get("append_buckets") or DEFAULT_APPEND_BUCKETS
   sampler = Sampler(module, max_len=max_len, stop_ids=stop_ids, pad_id=config.pad_token_id or 0,
-                    append_buckets=buckets, mesh=mesh)
+                    append_buckets=buckets, mesh=mesh, cache_layout=TPU_CACHE_LAYOUT)
   _, params = abstract_params(model, mesh)
   return sampler, params, abstract_cache(config, batch, max_len, sampler.cache_dtype, mesh)
 

@@ -195,7 +195,7 @@ def test_resident_state_counts_per_device_shards(tiny_preset):
                          "simulator params", "simulator KV cache"}
   # AdamW keeps two fp32 moments per param (plus scalar counts).
   assert 0 <= update["policy optimizer"] - 2 * update["policy params"] < 1024
-  # k and v [L, B, S, K, Dh] in the simulator's dtype (fp32 in runlocal), 1 layer; PPO runlocal has 2
+  # k and v [L, B, K, S, Dh] in the simulator's dtype (fp32 in runlocal), 1 layer; PPO runlocal has 2
   # dialogues, which 4 fsdp devices cannot split: every device holds both rows, and their lengths.
   c = _TINY
   assert ap.num_dialogues(config) == 2 and config.simulator.dtype == "float32"

@@ -1,5 +1,5 @@
 """Sampler invariants: HF greedy parity, cached == full forward, append == re-prefill, compile counts,
-sampling distributions, and mesh independence."""
+sampling distributions, and mesh independence; the cache invariants for both KV layouts."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +8,7 @@ from flax import nnx
 
 from hf_checkpoints import make_hf_checkpoint
 from rlver_jax.models import load_pretrained
+from rlver_jax.sampling.kv_cache import LAYOUTS
 from rlver_jax.sampling.sampler import Sampler, window_buckets
 from rlver_jax.sampling.strategies import SamplingParams, filter_logits, sample
 from rlver_jax.sharding import MeshConfig, make_mesh
@@ -52,9 +53,10 @@ def _full_logprobs(model, tokens):
   return np.asarray(jax.nn.log_softmax(logits, axis=-1))
 
 
-def test_cached_steps_equal_full_forward(checkpoint):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cached_steps_equal_full_forward(checkpoint, layout):
   _, model = checkpoint
-  sampler = _sampler(model)
+  sampler = _sampler(model, cache_layout=layout)
   params = nnx.state(model)
   # Token by token through append: the logits at every step equal the uncached forward's.
   seq = [3, 17, 29, 4, 55, 9, 81, 2, 33, 70]
@@ -76,19 +78,21 @@ def test_cached_steps_equal_full_forward(checkpoint):
     np.testing.assert_allclose(res.sample_logp[b, : len(gen)], want, atol=1e-4)
 
 
-def test_append_equals_reprefill(checkpoint):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_append_equals_reprefill(checkpoint, layout):
   _, model = checkpoint
   params = nnx.state(model)
   a = [[3, 4, 8, 9], [7, 8, 9, 10, 11, 12, 13]]
   b = [[30, 31, 32], [44]]
   sp = SamplingParams.make(temperature=0.8, top_p=0.9, top_k=20)
-  s1 = _sampler(model)
+  s1 = _sampler(model, cache_layout=layout)
+  assert s1.init_cache(2).layout == layout
   cache, logits = s1.prefill(params, s1.init_cache(2), a)
   r1 = s1.decode(params, cache, logits, rng=jax.random.key(1), max_new_tokens=6, sampling=sp)
   cache, logits = s1.append(params, r1.cache, b)
   r2 = s1.decode(params, cache, logits, rng=jax.random.key(2), max_new_tokens=8, sampling=sp)
 
-  s2 = _sampler(model)
+  s2 = _sampler(model, cache_layout=layout)
   whole = [a[i] + r1.row(i) + b[i] for i in range(2)]
   cache, logits = s2.prefill(params, s2.init_cache(2), whole)
   r3 = s2.decode(params, cache, logits, rng=jax.random.key(2), max_new_tokens=8, sampling=sp)
@@ -222,7 +226,8 @@ def test_budget_and_inactive_rows(checkpoint):
   assert (res.tokens[1] == 0).all()
 
 
-def test_mesh_gives_single_device_results(tmp_path):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mesh_gives_single_device_results(tmp_path, layout):
   make_hf_checkpoint(tmp_path, std=0.3, eos=EOS, heads=4, kv_heads=2, hidden=64)
   model1, _ = load_pretrained(str(tmp_path), dtype=jnp.float32)
   mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
@@ -230,13 +235,13 @@ def test_mesh_gives_single_device_results(tmp_path):
   prompts = PROMPTS  # 4 rows: divisible by data x fsdp
   results = []
   for model, m in [(model1, None), (model8, mesh)]:
-    sampler = _sampler(model, mesh=m)
+    sampler = _sampler(model, mesh=m, cache_layout=layout)
     params = nnx.state(model)
     with jax.set_mesh(mesh) if m is not None else _null():
       cache, logits = sampler.prefill(params, sampler.init_cache(4), prompts)
       if m is not None:
         assert cache.k.sharding.spec[1] == ("data", "fsdp")
-        assert cache.k.sharding.spec[2] == "tensor"
+        assert cache.k.sharding.spec[2 if layout == "heads_major" else 3] == "tensor"
       res = sampler.decode(params, cache, logits, rng=jax.random.key(5), max_new_tokens=10,
                            sampling=SamplingParams.make(0.9, top_p=0.95))
     results.append(res)

@@ -124,13 +124,15 @@ class Qwen2(nnx.Module):
     x, _ = self._run_layers(x, positions, mask, cache=None)
     return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
 
-  def cached_hidden_states(self, input_ids, positions, cache_k, cache_v, lengths, window: int):
+  def cached_hidden_states(self, input_ids, positions, cache_k, cache_v, lengths, window: int,
+                           slots_major: bool = False):
     """Runs T new tokens per row after each row's cached `lengths`; returns (hidden, k, v).
 
     input_ids/positions [B, T] (rows right-padded; padded tokens land past the row's new length and
-    are never attended by real tokens); cache_k/v [L, B, K, S, Dh]. Each layer attends to the first
-    `window` (static) cache slots and to the new tokens as two key segments with one softmax, so its
-    cost follows the filled length, not S, and the cache is never concatenated or transposed. The
+    are never attended by real tokens); cache_k/v [L, B, K, S, Dh], or [L, B, S, K, Dh] when
+    `slots_major` (see `sampling/kv_cache.py` for why both). Each layer attends to the first `window`
+    (static) cache slots and to the new tokens as two key segments with one softmax, so its cost
+    follows the filled length, not S, and the cache is never concatenated with the new tokens. The
     cache is only read inside the layer scan; the new keys/values of all layers are written with one
     scatter afterwards (in place on a donated buffer).
     """
@@ -140,13 +142,19 @@ class Qwen2(nnx.Module):
     new = jnp.arange(T)[None, :, None] >= jnp.arange(T)[None, None, :]  # [1, T, T] causal
     masks = (jnp.broadcast_to(old, (B, T, window)), jnp.broadcast_to(new, (B, T, T)))
     x = self._embed(input_ids)
-    x, (new_k, new_v) = self._run_layers(x, positions, masks, cache=(cache_k, cache_v, window))
-    # new_k/v [L, B, K, T, Dh]; the scatter below indexes (B, T) and takes updates as [B, T, L, K, Dh].
+    x, (new_k, new_v) = self._run_layers(x, positions, masks,
+                                         cache=(cache_k, cache_v, window, slots_major))
+    # new_k/v [L, B, K, T, Dh]. Indexing (B, T) with advanced indices takes updates [L, B, T, K, Dh]
+    # when they are adjacent (slots-major), [B, T, L, K, Dh] when a slice separates them.
     rows = jnp.arange(B)[:, None]
-    upd = lambda a, c: a.transpose(1, 3, 0, 2, 4).astype(c.dtype)
+    if slots_major:
+      write = lambda c, a: c.at[:, rows, slot].set(a.transpose(0, 1, 3, 2, 4).astype(c.dtype),
+                                                   mode="drop")
+    else:
+      write = lambda c, a: c.at[:, rows, :, slot].set(a.transpose(1, 3, 0, 2, 4).astype(c.dtype),
+                                                      mode="drop")
     # Out-of-range slots (padding past the preallocated end) are dropped; real ones are kept in range.
-    cache_k = cache_k.at[:, rows, :, slot].set(upd(new_k, cache_k), mode="drop")
-    cache_v = cache_v.at[:, rows, :, slot].set(upd(new_v, cache_v), mode="drop")
+    cache_k, cache_v = write(cache_k, new_k), write(cache_v, new_v)
     return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps), cache_k, cache_v
 
   def logits(self, hidden: jax.Array) -> jax.Array:
@@ -182,9 +190,12 @@ class Qwen2(nnx.Module):
       x, _ = jax.lax.scan(body, x, layer_params)
       return x, None
 
-    cache_k, cache_v, window = cache
+    cache_k, cache_v, window, slots_major = cache
 
-    def layer_window(c, l):  # this layer's first `window` slots, sliced inside the scan body
+    def layer_window(c, l):  # this layer's first `window` slots as [B, K, W, Dh], sliced in the body
+      if slots_major:
+        L, B, _, K, Dh = c.shape
+        return jax.lax.dynamic_slice(c, (l, 0, 0, 0, 0), (1, B, window, K, Dh))[0].transpose(0, 2, 1, 3)
       L, B, K, _, Dh = c.shape
       return jax.lax.dynamic_slice(c, (l, 0, 0, 0, 0), (1, B, K, window, Dh))[0]
 

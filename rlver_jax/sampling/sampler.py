@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from rlver_jax.models.qwen2 import Qwen2
-from rlver_jax.sampling.kv_cache import KVCache
+from rlver_jax.sampling.kv_cache import KVCache, Layout, default_layout
 from rlver_jax.sampling.strategies import SamplingParams, sample
 from rlver_jax.sharding import DEFAULT_RULES, host_array as _host
 
@@ -63,11 +63,11 @@ def _append_fn(graphdef, params, cache: KVCache, tokens_BxT, num_new_B, prev_log
   T = tokens_BxT.shape[1]
   positions = cache.lengths[:, None] + jnp.arange(T)[None, :]
   hidden, k, v = model.cached_hidden_states(tokens_BxT, positions, cache.k, cache.v, cache.lengths,
-                                            window)
+                                            window, slots_major=cache.layout == "slots_major")
   last = jnp.take_along_axis(hidden, jnp.maximum(num_new_B - 1, 0)[:, None, None], axis=1)[:, 0]
   logits = model.logits(last)
   logits = jnp.where((num_new_B > 0)[:, None], logits, prev_logits_BxV)
-  return KVCache(k, v, cache.lengths + num_new_B), logits
+  return KVCache(k, v, cache.lengths + num_new_B, cache.layout), logits
 
 
 def _decode_fn(graphdef, params, cache: KVCache, logits_BxV, active_B, budget_B, stop_ids, rng,
@@ -87,7 +87,7 @@ def _decode_fn(graphdef, params, cache: KVCache, logits_BxV, active_B, budget_B,
                                                             s["i"], axis=1)
     lengths = s["lengths"]
     hidden, k, v = model.cached_hidden_states(tok[:, None], lengths[:, None], s["k"], s["v"], lengths,
-                                              window)
+                                              window, slots_major=cache.layout == "slots_major")
     count = s["count"] + live
     is_stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1) & live
     return dict(
@@ -101,7 +101,7 @@ def _decode_fn(graphdef, params, cache: KVCache, logits_BxV, active_B, budget_B,
               stopped=jnp.zeros((B,), bool), tokens=jnp.full((B, max_new), pad_id, jnp.int32),
               slp=zeros_f, mlp=zeros_f)
   s = jax.lax.while_loop(cond, body, init)
-  return KVCache(s["k"], s["v"], s["lengths"]), s["tokens"], s["count"], s["slp"], s["mlp"], s["stopped"]
+  return KVCache(s["k"], s["v"], s["lengths"], cache.layout), s["tokens"], s["count"], s["slp"], s["mlp"], s["stopped"]
 
 
 class Sampler:
@@ -113,7 +113,8 @@ class Sampler:
 
   def __init__(self, model: Qwen2, *, max_len: int, stop_ids: Sequence[int], pad_id: int = 0,
                append_buckets: Sequence[int] = DEFAULT_APPEND_BUCKETS, min_window: int = 64,
-               mesh: jax.sharding.Mesh | None = None, cache_dtype=None):
+               mesh: jax.sharding.Mesh | None = None, cache_dtype=None,
+               cache_layout: Layout | None = None):
     self.graphdef = nnx.graphdef(model)
     self.config = model.config
     self.max_len = max_len
@@ -124,13 +125,15 @@ class Sampler:
     self.windows = window_buckets(max_len, min_window)
     self.mesh = mesh
     self.cache_dtype = cache_dtype or model.dtype
+    self.cache_layout = cache_layout or default_layout()  # pass "slots_major" when compiling for TPU
     self._zeros = {}
     self._append = jax.jit(_append_fn, static_argnames=("graphdef", "window"), donate_argnums=(2,))
     self._decode = jax.jit(_decode_fn, static_argnames=("graphdef", "window", "max_new", "pad_id"),
                            donate_argnums=(2,))
 
   def init_cache(self, batch: int) -> KVCache:
-    return KVCache.allocate(self.config, batch, self.max_len, self.cache_dtype, self.mesh)
+    return KVCache.allocate(self.config, batch, self.max_len, self.cache_dtype, self.mesh,
+                            layout=self.cache_layout)
 
   def empty_logits(self, batch: int) -> jax.Array:
     if batch not in self._zeros:

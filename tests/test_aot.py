@@ -14,12 +14,14 @@ import pytest
 if importlib.util.find_spec("libtpu") is None:
   pytest.skip('libtpu is not installed (pip install "jax[tpu]==0.10.2")', allow_module_level=True)
 
+import jax  # noqa: E402
 import ml_collections  # noqa: E402
 
 from rlver_jax import aot, aot_run  # noqa: E402
 from rlver_jax import aot_programs as ap  # noqa: E402
 from rlver_jax.aot_programs import model_config  # noqa: E402
 from rlver_jax.models import presets  # noqa: E402
+from rlver_jax.sampling.kv_cache import KVCache, default_layout  # noqa: E402
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 _TPU_ENV = {k: os.environ.get(k) for k in
@@ -195,7 +197,7 @@ def test_resident_state_counts_per_device_shards(tiny_preset):
                          "simulator params", "simulator KV cache"}
   # AdamW keeps two fp32 moments per param (plus scalar counts).
   assert 0 <= update["policy optimizer"] - 2 * update["policy params"] < 1024
-  # k and v [L, B, K, S, Dh] in the simulator's dtype (fp32 in runlocal), 1 layer; PPO runlocal has 2
+  # k and v in the simulator's dtype (fp32 in runlocal), 1 layer; PPO runlocal has 2
   # dialogues, which 4 fsdp devices cannot split: every device holds both rows, and their lengths.
   c = _TINY
   assert ap.num_dialogues(config) == 2 and config.simulator.dtype == "float32"
@@ -203,6 +205,18 @@ def test_resident_state_counts_per_device_shards(tiny_preset):
   # The update's micro-batch has micro_batch_size rows per batch shard: 2 x 4 on 4 fsdp devices.
   batch = ap.abstract_batch(config, mesh)["tokens"]
   assert batch.shape == (1, 2 * 4, 256) and batch.sharding.shard_shape(batch.shape) == (1, 2, 256)
+
+
+def test_sampler_programs_compile_the_tpu_cache_layout(tiny_preset):
+  """The plan compiles for TPU from a CPU process: its caches take the TPU layout, not the host's."""
+  config = _tiny_run()
+  mesh = aot.make_mesh(aot.MeshConfig(), aot.get_topology("v5e:1x1"))
+  _, args = ap.PROGRAMS["simulator_decode"](config, mesh)
+  caches = [a for a in args if isinstance(a, KVCache)]
+  assert len(caches) == 1 and caches[0].layout == "slots_major" == default_layout("tpu")
+  c = _TINY
+  assert caches[0].k.shape == (1, 2, 256, c.num_kv_heads, c.head_dim)  # [L, B, S, K, Dh]
+  assert jax.default_backend() == "cpu" and default_layout() == "heads_major"
 
 
 def test_run_programs_and_update_shapes():

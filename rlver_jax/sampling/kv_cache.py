@@ -10,6 +10,7 @@ cost of copying the whole cache in and out of every decode loop (measured: 72B s
 temporaries 3.3 -> 26 GiB per v5p chip). On CPU (and GPU) heads-major makes a layer's window
 [B, K, W, Dh] the batched-GEMM operand that attention reads directly; slots-major transposes the window
 every step (measured on this 2-core CPU at a 2k window: 267 vs 199 ms per SmolLM2 decode step).
+The model also writes new keys/values differently per layout (`Qwen2._run_layers`).
 """
 from __future__ import annotations
 

@@ -315,11 +315,10 @@ def segment_attention(q: jax.Array, segments: tuple[Segment, ...], q_block: int 
   q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
   blocked = lambda a: a.reshape((B, n, q_block) + a.shape[2:]).swapaxes(0, 1)
   masks = tuple(blocked(jnp.pad(m, ((0, 0), (0, pad), (0, 0)))) for _, _, m in segments)
-  kvs = tuple((k, v) for k, v, _ in segments)
 
-  def one_block(qm):
+  def one_block(qm):  # the segments' keys/values whole, their masks cut to this query block
     qb, mb = qm
-    return _attend(qb, tuple((k, v, m) for (k, v), m in zip(kvs, mb)))
+    return _attend(qb, tuple((k, v, m) for (k, v, _), m in zip(segments, mb)))
 
   out = jax.lax.map(jax.checkpoint(one_block), (blocked(q), masks))  # [n, B, q_block, H, Dh]
   return out.swapaxes(0, 1).reshape(B, n * q_block, H, Dh)[:, :T]

@@ -51,7 +51,7 @@ class KVCache:
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[3 if self.layout == "heads_major" else 2]
+    return self.k.shape[KV_AXES[self.layout].index("cache_seq")]
 
   def bytes(self) -> int:
     return 2 * self.k.size * self.k.dtype.itemsize + self.lengths.size * 4
@@ -61,9 +61,9 @@ class KVCache:
              layout: Layout = "heads_major") -> "KVCache":
     if layout not in LAYOUTS:
       raise ValueError(f"unknown KV cache layout {layout!r}; expected one of {LAYOUTS}")
-    L, K, Dh = config.num_layers, config.num_kv_heads, config.head_dim
-    shape = (L, batch, K, max_len, Dh) if layout == "heads_major" else (L, batch, max_len, K, Dh)
-    kv = jax.ShapeDtypeStruct(shape, dtype)
+    size = {"layers": config.num_layers, "batch": batch, "kv_heads": config.num_kv_heads,
+            "cache_seq": max_len, "head_dim": config.head_dim}
+    kv = jax.ShapeDtypeStruct(tuple(size[a] for a in KV_AXES[layout]), dtype)
     return KVCache(k=kv, v=kv, lengths=jax.ShapeDtypeStruct((batch,), jnp.int32), layout=layout)
 
   @staticmethod

@@ -1,13 +1,23 @@
-"""What this CPU can do right now: memory bandwidth (numpy, 1 GiB) and fp32 matmul throughput.
+"""What this CPU can do right now: memory bandwidth (1 and 2 threads), fp32 matmul throughput, and
+the XLA:CPU dots of one SmolLM2-135M decode step on their own.
 
-Gives the floor for a decode step of SmolLM2-135M in fp32: every step reads all ~540 MB of weights
-(the tied 49152 x 576 LM head included), so step time >= weight bytes / read bandwidth.
+Gives the floors for a decode step of SmolLM2-135M in fp32 at batch 8: every step reads all ~540 MB
+of weights (the tied 49152 x 576 LM head included), so step time >= weight bytes / read bandwidth;
+and XLA:CPU cannot go below the time its own dot kernels take for those weights (`--xla-dots`: the
+30 layers' seven projections in a `lax.scan`, distinct weights per layer so none stay in cache, plus
+the LM head). That part also runs pinned to one core (`taskset -c 0`) to show whether the kernels use
+the second core.
 
   python benchmarks/mem_bandwidth.py [--gib 1] [--reps 5]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
+import subprocess
+import sys
+import threading
 import time
 
 import numpy as np
@@ -16,6 +26,7 @@ import _common  # noqa: F401
 from _common import command_line, machine_info, median, table
 
 SMOL_PARAMS = 134_515_008  # SmolLM2-135M (tied embeddings)
+SMOL = dict(layers=30, embed=576, heads=9, kv_heads=3, head_dim=64, mlp=1536, vocab=49152)
 
 
 def best_and_median(fn, reps: int) -> tuple[float, float]:
@@ -27,22 +38,74 @@ def best_and_median(fn, reps: int) -> tuple[float, float]:
   return min(ts), median(ts)
 
 
+def threaded_sum(a: np.ndarray, threads: int) -> None:
+  """Sums `threads` equal parts of `a` concurrently (numpy releases the GIL inside the reduction)."""
+  parts = np.array_split(a, threads)
+  workers = [threading.Thread(target=p.sum) for p in parts]
+  for w in workers:
+    w.start()
+  for w in workers:
+    w.join()
+
+
+def xla_dots(reps: int) -> tuple[float, float, int]:
+  """(best, median) seconds of the decode step's dots alone at batch 8, and the weight bytes read."""
+  import jax
+  import jax.numpy as jnp
+  c = SMOL
+  L, D, F, V = c["layers"], c["embed"], c["mlp"], c["vocab"]
+  q, kv = c["heads"] * c["head_dim"], c["kv_heads"] * c["head_dim"]
+  keys = iter(jax.random.split(jax.random.key(0), 10))
+  shapes = dict(wq=(L, D, q), wk=(L, D, kv), wv=(L, D, kv), wo=(L, q, D), gate=(L, D, F), up=(L, D, F),
+                down=(L, F, D))
+  w = {n: jax.random.normal(next(keys), s, jnp.float32) * 0.02 for n, s in shapes.items()}
+  embed = jax.random.normal(next(keys), (V, D), jnp.float32) * 0.02
+  x = jax.random.normal(next(keys), (8, D), jnp.float32)
+
+  @jax.jit
+  def step(x, w, embed):
+    def layer(h, p):  # the dots of a decode step; the cheap elementwise glue keeps them dependent
+      a = jnp.concatenate([h @ p["wq"], h @ p["wk"], h @ p["wv"]], -1)[:, :q]
+      h = h + a @ p["wo"]
+      h = h + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
+      return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6), None
+    h, _ = jax.lax.scan(layer, x, w)
+    return jnp.argmax(h @ embed.T, -1)
+
+  jax.block_until_ready(step(x, w, embed))
+  best, med = best_and_median(lambda: jax.block_until_ready(step(x, w, embed)), reps)
+  nbytes = sum(a.nbytes for a in w.values()) + embed.nbytes
+  return best, med, nbytes
+
+
+def dots_row(label: str, best: float, med: float, nbytes: int) -> list:
+  return [label, f"{best * 1e3:.1f} ms = {nbytes / best / 1e9:.1f} GB/s = {8 / best:.0f} tok/s",
+          f"{med * 1e3:.1f} ms"]
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--gib", type=float, default=1.0)
   ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--xla-dots-only", action="store_true", help="print the XLA dots row and exit")
   args = ap.parse_args()
+  if args.xla_dots_only:
+    print(json.dumps(xla_dots(args.reps * 2)))
+    return
   n = int(args.gib * 2**30 // 4)
   a = np.ones(n, np.float32)
   b = np.empty_like(a)
   np.copyto(b, a)
   rows = []
   best, med = best_and_median(lambda: np.copyto(b, a), args.reps)
-  rows.append(["numpy copy (read + write), GB/s", f"{2 * a.nbytes / best / 1e9:.1f}",
+  rows.append(["numpy copy (read + write), 1 thread, GB/s", f"{2 * a.nbytes / best / 1e9:.1f}",
                f"{2 * a.nbytes / med / 1e9:.1f}"])
-  best, med = best_and_median(lambda: a.sum(), args.reps)
-  read_best = a.nbytes / best
-  rows.append(["numpy sum (read), GB/s", f"{read_best / 1e9:.1f}", f"{a.nbytes / med / 1e9:.1f}"])
+  read_best = {}
+  for threads in (1, 2):
+    best, med = best_and_median(lambda: threaded_sum(a, threads), args.reps)
+    read_best[threads] = a.nbytes / best
+    rows.append([f"numpy sum (read), {threads} thread(s), GB/s", f"{a.nbytes / best / 1e9:.1f}",
+                 f"{a.nbytes / med / 1e9:.1f}"])
   del a, b
   rng = np.random.default_rng(0)
   for m in (8, 2048):
@@ -50,15 +113,25 @@ def main():
     w = rng.standard_normal((576, 1536), np.float32)
     best, med = best_and_median(lambda: x @ w, args.reps * 4)
     flop = 2 * m * 576 * 1536
-    rows.append([f"fp32 matmul [{m}, 576] x [576, 1536], GFLOP/s", f"{flop / best / 1e9:.1f}",
+    rows.append([f"numpy fp32 matmul [{m}, 576] x [576, 1536], GFLOP/s", f"{flop / best / 1e9:.1f}",
                  f"{flop / med / 1e9:.1f}"])
   weights = SMOL_PARAMS * 4
+  best, med, nbytes = xla_dots(args.reps * 2)
+  dots = [dots_row("XLA:CPU dots of one decode step, batch 8, 2 cores", best, med, nbytes)]
+  if shutil.which("taskset"):
+    out = subprocess.run(["taskset", "-c", "0", sys.executable, sys.argv[0], "--xla-dots-only",
+                          "--reps", str(args.reps)], capture_output=True, text=True, check=True)
+    best1, med1, _ = json.loads(out.stdout.strip().splitlines()[-1])
+    dots.append(dots_row("same, pinned to 1 core (taskset -c 0)", best1, med1, nbytes))
   print(f"Command: `{command_line()}`\n")
   print(machine_info() + "\n")
   print(table(["measure", "best", "median"], rows))
+  print()
+  print(table(["measure", "best", "median"], dots))
   print(f"\nSmolLM2-135M fp32 weights: {weights / 1e6:.0f} MB -> decode step floor at the best read "
-        f"bandwidth: {weights / read_best * 1e3:.0f} ms, i.e. at most {8 * read_best / weights:.0f} "
-        f"tokens/s at batch 8.")
+        f"bandwidth: 1 thread {weights / read_best[1] * 1e3:.0f} ms ({8 * read_best[1] / weights:.0f} "
+        f"tok/s at batch 8), 2 threads {weights / read_best[2] * 1e3:.0f} ms "
+        f"({8 * read_best[2] / weights:.0f} tok/s).")
 
 
 if __name__ == "__main__":

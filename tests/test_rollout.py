@@ -1,5 +1,8 @@
 """The dialogue runner: token-in/token-out against the chat template, loss masks, row pairing, rewards,
 and the co-located model backend's append-only cache."""
+import dataclasses
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,8 +13,8 @@ from rlver_jax.env.backends import ScriptedBackend
 from rlver_jax.env.chat import policy_system_prompt
 from rlver_jax.env.model_backend import ModelBackend
 from rlver_jax.env.profiles import load_demo_profiles
-from rlver_jax.env.rollout import RolloutConfig, run_dialogues
-from rlver_jax.env.simulator import SimulatedUsers
+from rlver_jax.env.rollout import RolloutConfig, _finish, _Row, run_dialogues
+from rlver_jax.env.simulator import SimulatedUsers, UserState
 from rlver_jax.models import load_pretrained
 from rlver_jax.models.factory import create_model
 from rlver_jax.models.presets import Qwen2Config
@@ -164,7 +167,67 @@ def test_per_turn_rewards_sum_to_the_emotion_change(smol, tiny_policy):
   for d in dialogues:
     s = d.samples[0]
     assert sorted(s.token_rewards) == s.turn_ends
-    assert sum(s.token_rewards.values()) == pytest.approx(sum(d.changes) / 100)
+    assert sum(s.token_rewards.values()) == pytest.approx((d.emotions[-1] - d.emotions[0]) / 100)
+
+
+def _record(start, changes, profile):
+  rec = UserState(row=0, profile=profile, language="en", emotion=start)
+  for c in changes:
+    rec.apply(c)
+  rec.termination = rec.emotion_termination(max_turns=len(changes)) or "max_turns"
+  return rec
+
+
+@pytest.mark.parametrize("start,changes,expected", [
+    (95, [10], [0.05]),              # clipped at 100: the reply moved emotion by 5, not 10
+    (4, [-10], [-0.04]),             # clipped at 0
+    (50, [10, -20, 5], [0.10, -0.20, 0.05]),
+])
+def test_per_turn_rewards_are_the_clipped_emotion_moves(start, changes, expected):
+  profile = load_demo_profiles()[0]
+  rec = _record(start, changes, profile)
+  n = len(changes)
+  row = _Row(ctx=list(range(10 * n)), mask=[0, 1] * 5 * n, logp=[0.0] * 10 * n,
+             turn_ends=[10 * i + 9 for i in range(n)], format_ok=[True] * n)
+  d = _finish(0, row, profile, 0, SimpleNamespace(records=[rec]),
+              RolloutConfig(think=False, reward_mode="per_turn"))
+  assert list(d.samples[0].token_rewards.values()) == pytest.approx(expected)
+  assert sum(expected) == pytest.approx((rec.emotion - start) / 100)
+
+
+@pytest.mark.parametrize("reward_mode", ["terminal", "per_turn"])
+def test_format_penalty_zeroes_every_reward(reward_mode):
+  profile = load_demo_profiles()[0]
+  rec = _record(40, [10, 10], profile)
+  row = _Row(ctx=list(range(20)), mask=[1] * 20, logp=[0.1] * 20, turn_ends=[9, 19],
+             format_ok=[True, False])
+  cfg = RolloutConfig(think=True, keep_thoughts=True, reward_mode=reward_mode, format_penalty=True)
+  d = _finish(0, row, profile, 0, SimpleNamespace(records=[rec]), cfg)
+  assert d.reward == 0.0
+  assert all(r == 0.0 for r in d.samples[0].token_rewards.values())
+  ok = _finish(0, dataclasses.replace(row, format_ok=[True, True]), profile, 0,
+               SimpleNamespace(records=[rec]), cfg)
+  assert sum(ok.samples[0].token_rewards.values()) == pytest.approx(0.2 if reward_mode == "per_turn" else 0.6)
+
+
+def test_a_reply_that_fills_the_cache_ends_the_dialogue(smol, tiny_policy):
+  # 200 new tokens cannot fit after the ~150-token prompt in 256 slots: the reply is cut by the
+  # cache (keeping one slot for the closing <|im_end|>) and the dialogue ends as context_full.
+  _, chat = smol
+  model, _ = tiny_policy
+  sampler = Sampler(model, max_len=256, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
+                    append_buckets=(64, 256))
+  profiles = load_demo_profiles()[:2]
+  for think, keep in ((False, False), (True, True)):
+    users = SimulatedUsers(profiles, ScriptedBackend(), start_emotion=30, max_turns=4)
+    cfg = RolloutConfig(think=think, keep_thoughts=keep, max_new_tokens=200, temperature=1.0)
+    dialogues = run_dialogues(profiles, [0, 1], users, sampler=sampler, params=nnx.state(model),
+                              chat=chat, cfg=cfg, rng=jax.random.key(5))
+    for d in dialogues:
+      assert d.termination == "context_full", d.termination
+      s = d.samples[0]
+      assert len(s.tokens) == len(s.loss_mask) == len(s.sampler_logp) <= 256
+      assert s.tokens[-1] == chat.im_end and s.loss_mask[-1] == 0  # closed by us, not sampled
 
 
 def test_colocated_model_backend_two_dialogues(smol):

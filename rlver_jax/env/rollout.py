@@ -140,8 +140,10 @@ def run_dialogues(profiles: Sequence[Profile], group_ids: Sequence[int], users: 
     active = np.zeros(B, bool)
     active[live] = True
     rng, key = jax.random.split(rng)
+    # One slot stays free so a reply cut by the cache can still be closed with <|im_end|>.
+    room = np.maximum(sampler.max_len - host_array(cache.lengths) - 1, 0)
     res = sampler.decode(params, cache, logits, rng=key, max_new_tokens=cfg.max_new_tokens,
-                         sampling=sampling, active=active)
+                         sampling=sampling, active=active, budget=room)
     cache = res.cache
     lengths = host_array(cache.lengths).copy()
     replies, appends = [], [[] for _ in range(B)]
@@ -182,13 +184,17 @@ def run_dialogues(profiles: Sequence[Profile], group_ids: Sequence[int], users: 
       if r.done:
         continue
       user = chat.encode("\n") + chat.message("user", r.user_reply or "") + chat.generation_header()
-      if lengths[r.row] + len(appends[r.row]) + len(user) + 1 > sampler.max_len:
+      # Room must remain for at least one sampled token and the closing <|im_end|>.
+      if lengths[r.row] + len(appends[r.row]) + len(user) + 2 > sampler.max_len:
         users.records[r.row].termination = "context_full"
         continue
       appends[r.row] += user
       rows[r.row].ctx += user
       rows[r.row].mask += [0] * len(user)
       rows[r.row].logp += [0.0] * len(user)
+    for b in range(B):  # a finished row never samples again: its cache needs nothing more
+      if users.records[b].done:
+        appends[b] = []
     cache = cache.with_lengths(lengths)
     cache, logits = sampler.append(params, cache, appends, logits)
 
@@ -199,12 +205,15 @@ def _finish(b: int, row: _Row, profile: Profile, group_id: int, users: Simulated
             cfg: RolloutConfig) -> Dialogue:
   rec = users.records[b]
   reward = max(rec.emotion / 100.0, 0.0)
-  if cfg.think and cfg.format_penalty and not all(row.format_ok):
+  penalised = cfg.think and cfg.format_penalty and not all(row.format_ok)
+  if penalised:
     reward = 0.0
   samples = row.samples if cfg.split_turns else [
       Sample(b, row.ctx, row.mask, row.logp, row.turn_ends)]
   samples = [s for s in samples if s.turn_ends]
-  deltas = [c / 100.0 for c in rec.changes]
+  # Per-turn rewards are the emotion's actual moves (the simulator's stated change is clipped to
+  # [0, 100] when applied), so they sum to (final - start) / 100; a format violation zeroes them.
+  deltas = [0.0 if penalised else d / 100.0 for d in np.diff(rec.emotions).tolist()]
   for i, s in enumerate(samples):
     if cfg.reward_mode == "terminal":
       s.token_rewards = {s.turn_ends[-1]: reward}

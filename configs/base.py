@@ -101,6 +101,7 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.rl.value_clip = 0.5
   c.rl.entropy_coef = 0.001
   c.rl.loss_agg = "token-mean"
+  c.rl.loss_norm_len = 0             # seq-mean-token-sum-norm divisor; 0 = policy.max_context
   c.rl.kl_coef = 0.0                 # no reference model, as in the paper
   c.rl.kl_kind = "k3"
   c.rl.kl_in_reward = False

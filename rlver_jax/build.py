@@ -68,10 +68,29 @@ def rollout_config(config, *, eval_mode: bool = False) -> RolloutConfig:
                        language=p.language or None)
 
 
+def check_algo(config) -> None:
+  """Rejects settings the chosen algorithm would silently ignore (before any model is loaded)."""
+  r = config.rl
+  if config.algo not in ("grpo", "ppo"):
+    raise ConfigError(f"config.algo: unknown algorithm {config.algo!r} (expected grpo or ppo)")
+  if config.algo == "grpo":
+    # GRPO normalises one scalar per dialogue within its group; token-level rewards have no place.
+    if r.reward_mode != "terminal":
+      raise ConfigError(f"config.rl.reward_mode={r.reward_mode!r} needs algo=ppo: GRPO uses one "
+                        "reward per dialogue (use 'terminal')")
+    if r.kl_in_reward and r.kl_coef > 0:
+      raise ConfigError("config.rl.kl_in_reward=True needs algo=ppo: GRPO takes its KL as a loss "
+                        "term (set kl_in_reward=False)")
+  if r.loss_norm_len < 0:
+    raise ConfigError(f"config.rl.loss_norm_len={r.loss_norm_len}: must be >= 0 (0 = policy.max_context)")
+
+
 def loss_config(config) -> LossConfig:
   r = config.rl
+  # Dr.GRPO's divisor is a constant of the run, not the packed length of each step's batch.
+  norm_len = r.loss_norm_len or config.policy.max_context
   return LossConfig(clip_low=r.clip_low, clip_high=r.clip_high, dual_clip=r.dual_clip or None,
-                    agg=r.loss_agg, entropy_coef=r.entropy_coef,
+                    agg=r.loss_agg, norm_len=norm_len, entropy_coef=r.entropy_coef,
                     kl_coef=0.0 if r.kl_in_reward else r.kl_coef, kl_kind=r.kl_kind,
                     tis_cap=r.tis_cap or None, value_clip=r.value_clip or None,
                     logits_chunk=r.logits_chunk)

@@ -25,6 +25,7 @@ from rlver_jax.env.rollout import Dialogue, RolloutStats, run_dialogues
 from rlver_jax.env.simulator import SimulatedUsers
 from rlver_jax.metrics import MetricsWriter
 from rlver_jax.rl import advantages as adv_lib
+from rlver_jax.rl.losses import kl_penalty
 from rlver_jax.rl.update import Updater, make_optimizer, token_logprobs_and_entropy, token_values
 from rlver_jax.run_config import check_workdir_config
 from rlver_jax.sharding import DEFAULT_RULES, batch_shards, global_array, host_array
@@ -72,6 +73,7 @@ class Trainer:
   def __init__(self, config: ml_collections.ConfigDict, workdir: str):
     self.config = config
     self.workdir = workdir
+    build.check_algo(config)
     check_workdir_config(config, workdir)
     self.mesh = build.mesh_from(config)
     profiles = build.profiles_from(config.data.profiles)
@@ -95,8 +97,6 @@ class Trainer:
                                  "value", loss_cfg)
         self.state["critic"] = nnx.state(self.critic, nnx.Param)
         self.state["critic_opt"] = self.critic_up.init(self.state["critic"])
-      elif config.algo != "grpo":
-        raise build.ConfigError(f"config.algo: unknown algorithm {config.algo!r} (expected grpo or ppo)")
       self.ref = (jax.tree.map(jnp.copy, self.state["policy"]) if config.rl.kl_coef > 0 else None)
     # Replicated over the mesh like every other state leaf, so a restored key lives on the same devices.
     self.state["rng"] = global_array(jax.random.key_data(jax.random.key(config.seed)),
@@ -172,9 +172,10 @@ class Trainer:
     extra = {}
     if self.ref is not None:
       ref_logp = host_array(self._logp_fn(self.ref, tokens, seg)).reshape(N, T)
-      kl = host_array(old_logp).reshape(N, T) - ref_logp
-      extra["kl_ref"] = float((kl * mask).sum() / max(mask.sum(), 1))
+      old = host_array(old_logp).reshape(N, T)
+      extra["kl_ref"] = float(((old - ref_logp) * mask).sum() / max(mask.sum(), 1))
       if c.rl.kl_in_reward:
+        kl = np.asarray(kl_penalty(jnp.asarray(old), jnp.asarray(ref_logp), c.rl.kl_kind))
         p.rewards -= c.rl.kl_coef * kl * mask
       else:
         batch["ref_logp"] = self._device(ref_logp.reshape(shape))

@@ -46,3 +46,38 @@ def test_samplers_use_the_configured_buckets():
   assert build.policy_sampler(model, chat, config, mesh=None).append_buckets == (8, 24, 96)
   backend = build.simulator_backend(config, mesh=None)
   assert backend.sampler.append_buckets == (32, 48, config.simulator.max_context)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (dict(reward_mode="per_turn"), "config.rl.reward_mode"),
+    (dict(kl_in_reward=True, kl_coef=0.1), "config.rl.kl_in_reward"),
+    (dict(loss_norm_len=-1), "config.rl.loss_norm_len"),
+])
+def test_grpo_refuses_settings_it_would_ignore(overrides, key):
+  config = _config()
+  for k, v in overrides.items():
+    config.rl[k] = v
+  with pytest.raises(build.ConfigError, match=key.replace(".", r"\.")):
+    build.check_algo(config)
+
+
+def test_ppo_takes_per_turn_rewards_and_kl_in_reward():
+  config = _config("ppo_nothink", None)
+  config.rl.reward_mode, config.rl.kl_in_reward, config.rl.kl_coef = "per_turn", True, 0.1
+  build.check_algo(config)
+  assert build.loss_config(config).kl_coef == 0.0  # the KL moved into the rewards
+
+
+def test_unknown_algo_is_a_config_error():
+  config = _config()
+  config.algo = "dpo"
+  with pytest.raises(build.ConfigError, match=r"config\.algo"):
+    build.check_algo(config)
+
+
+def test_dr_grpo_divisor_is_a_run_constant():
+  # seq-mean-token-sum-norm divides by a fixed length; it used to be each batch's packed length.
+  config = _config()
+  assert build.loss_config(config).norm_len == config.policy.max_context
+  config.rl.loss_norm_len = 4096
+  assert build.loss_config(config).norm_len == 4096

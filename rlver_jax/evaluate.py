@@ -29,9 +29,11 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   distributed.initialize()
   from rlver_jax import eval_run  # after distributed init: imports may touch devices
+  from rlver_jax.env.backends import SimulatorBackendError
   try:
     summary, paths = eval_run.run(_CONFIG.value, _WORKDIR.value)
-  except (ValueError, FileNotFoundError) as e:  # bad input: one line, non-zero exit
+  # Bad input, or a simulator that cannot answer within its retry bound: one line, non-zero exit.
+  except (ValueError, FileNotFoundError, SimulatorBackendError) as e:
     logging.debug("error", exc_info=True)
     sys.exit(f"error: {e}")
   print(f"\nscore {summary['score']:.1f}  success {summary['success_rate']:.0%}  "

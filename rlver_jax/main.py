@@ -36,12 +36,14 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   distributed.initialize()
   from rlver_jax import train  # after distributed init: imports may touch devices
+  from rlver_jax.env.backends import SimulatorBackendError
   from rlver_jax.models import storage
   storage.point_clients_at_emulator()
   workdir = _WORKDIR.value or _default_workdir()
   try:
     paths = train.run(_CONFIG.value, workdir)
-  except (ValueError, FileNotFoundError) as e:  # bad input: one line, non-zero exit
+  # Bad input, or a simulator that cannot answer within its retry bound: one line, non-zero exit.
+  except (ValueError, FileNotFoundError, SimulatorBackendError) as e:
     logging.debug("error", exc_info=True)
     sys.exit(f"error: {e}")
   if jax.process_index() != 0:  # one summary per run, not one per host

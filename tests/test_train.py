@@ -127,13 +127,20 @@ def test_sigterm_saves_a_restorable_checkpoint(world, tmp_path):
     ("--config.policy.checkpoint=/nonexistent/model", "config.policy.checkpoint"),
     ("--config.mesh.fsdp=3", "config.mesh"),
     ("--config.no_such_key=1", "no_such_key"),
+    ("--config.rl.reward_mode=per_turn", "config.rl.reward_mode"),  # GRPO would ignore it
+    (("--config.simulator.backend=http", "--config.simulator.http_base_url=http://127.0.0.1:9/v1",
+      "--config.simulator.http_model=x", "--config.simulator.http_max_attempts=1"),
+     "failed after 1 attempts"),  # an unreachable simulator server
 ])
 def test_bad_input_is_one_clear_line(world, tmp_path, flag, message):
-  proc = _main(_flags(world, "grpo", tmp_path / "w", 1) + [flag])
+  flags = list(flag) if isinstance(flag, tuple) else [flag]
+  proc = _main(_flags(world, "grpo", tmp_path / "w", 1) + flags)
   _, err = proc.communicate(timeout=300)
   assert proc.returncode != 0
   last = [l for l in err.strip().splitlines() if l.strip()][-1]
   assert message in last, err[-3000:]
+  if message != "no_such_key":  # absl's flag parser prints ml_collections' traceback above its line
+    assert "Traceback" not in err, err[-3000:]
 
 
 def test_default_workdir_is_named_after_the_config(world, tmp_path):

@@ -9,6 +9,7 @@ The default checkpoint is the embedded SmolLM2-135M-Instruct. `--temperature=0` 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import jax
@@ -46,6 +47,11 @@ def _prompt_ids(chat: ChatTokens, text: str, system: str | None, use_chat: bool)
   return chat.conversation(messages, add_generation_prompt=True)
 
 
+def _room(sampler: Sampler, cache) -> int:
+  """Tokens the row may still sample, keeping one slot to close a reply cut short with <|im_end|>."""
+  return max(sampler.max_len - int(cache.lengths[0]) - 1, 0)
+
+
 def _interactive(sampler: Sampler, params, chat: ChatTokens, system: str | None, sp, rng):
   cache = sampler.init_cache(1)
   first = True
@@ -59,13 +65,19 @@ def _interactive(sampler: Sampler, params, chat: ChatTokens, system: str | None,
       return
     if first:
       ids = _prompt_ids(chat, text, system, use_chat=True)
+    else:
+      ids = chat.encode("\n") + chat.message("user", text) + chat.generation_header()
+    if len(ids) + 1 > _room(sampler, cache):  # the turn plus at least one reply token must fit
+      print(f"[context full: {sampler.max_len} slots (--max_len); the conversation ends here]", flush=True)
+      return
+    if first:
       cache, logits = sampler.prefill(params, cache, [ids])
       first = False
     else:
-      ids = chat.encode("\n") + chat.message("user", text) + chat.generation_header()
       cache, logits = sampler.append(params, cache, [ids])
     rng, key = jax.random.split(rng)
-    res = sampler.decode(params, cache, logits, rng=key, max_new_tokens=_MAX_NEW.value, sampling=sp)
+    res = sampler.decode(params, cache, logits, rng=key, max_new_tokens=_MAX_NEW.value, sampling=sp,
+                         budget=[_room(sampler, cache)])
     cache = res.cache
     reply = res.row(0)
     print("bot>", chat.decode(reply, skip_special_tokens=True).strip(), flush=True)
@@ -73,20 +85,37 @@ def _interactive(sampler: Sampler, params, chat: ChatTokens, system: str | None,
       cache, logits = sampler.append(params, cache, [[chat.im_end]])
 
 
+def _check_flags() -> SamplingParams:
+  """Validates the flags before the model loads; returns the sampling settings."""
+  if _PROMPT.value is None and not _INTERACTIVE.value:
+    raise app.UsageError("--prompt is required (or use --interactive)")
+  for name, flag, low in (("max_new_tokens", _MAX_NEW, 1), ("batch_size", _BATCH, 1), ("max_len", _MAX_LEN, 2)):
+    if flag.value < low:
+      raise ValueError(f"--{name}={flag.value}: must be >= {low}")
+  if _CHECKPOINT.value is not None and not os.path.isdir(_CHECKPOINT.value):
+    raise FileNotFoundError(f"--checkpoint={_CHECKPOINT.value}: no such directory")
+  return SamplingParams.make(_TEMPERATURE.value, _TOP_P.value, _TOP_K.value)
+
+
 def main(argv):
   del argv
+  try:
+    _generate()
+  except (ValueError, FileNotFoundError) as e:  # bad input: one line, non-zero exit
+    sys.exit(f"error: {e}")
+
+
+def _generate():
+  sp = _check_flags()
   checkpoint = _CHECKPOINT.value
   if checkpoint is None:
     from rlver_jax.models.embedded import embedded_model_dir
     checkpoint = embedded_model_dir()
-  if _PROMPT.value is None and not _INTERACTIVE.value:
-    raise app.UsageError("--prompt is required (or use --interactive)")
   dtype = param_dtype_of(_DTYPE.value)
   model, _ = load_pretrained(checkpoint, dtype=dtype)
   chat = ChatTokens(load_tokenizer(checkpoint))
   sampler = Sampler(model, max_len=_MAX_LEN.value, stop_ids=chat.stop_ids, pad_id=chat.pad_id)
   params = nnx.state(model)
-  sp = SamplingParams.make(_TEMPERATURE.value, _TOP_P.value, _TOP_K.value)
   rng = jax.random.key(_SEED.value)
   if _INTERACTIVE.value:
     _interactive(sampler, params, chat, _SYSTEM.value, sp, rng)

@@ -43,3 +43,23 @@ def test_interactive_keeps_the_conversation(tmp_path):
               stdin="My name is Ana.\nWhat did I just tell you?\n/exit\n")
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert proc.stdout.count("bot> ") == 2  # one reply per user turn, then /exit
+
+
+def test_interactive_ends_cleanly_when_the_cache_is_full():
+  # 96 slots hold the template's system prompt, a turn or two and nothing more.
+  lines = "".join(f"Tell me something about the number {i}.\n" for i in range(8))
+  proc = _run(["--interactive", "--temperature=0", "--max_new_tokens=16", "--max_len=96"], stdin=lines)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "[context full: 96 slots" in proc.stdout and proc.stdout.count("bot> ") >= 1
+
+
+def test_bad_input_is_one_clear_line():
+  for args, message in ((["--checkpoint=/nonexistent/model"], "--checkpoint=/nonexistent/model"),
+                        (["--temperature=-1"], "temperature"),
+                        (["--max_new_tokens=0"], "--max_new_tokens=0"),
+                        (["--max_len=4"], "exceed the cache length 4")):
+    proc = _run(["--chat", "--prompt=Hello there, how are you today?", *args])
+    assert proc.returncode != 0
+    last = [l for l in proc.stderr.strip().splitlines() if l.strip()][-1]
+    assert last.startswith("error: ") and message in last, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -115,7 +115,8 @@ def test_goodbye_zh(text):
   assert chat.says_goodbye(text, "zh")
 
 
-@pytest.mark.parametrize("text", ["我还想再聊聊", "你说得对，我再想想", "再次见到他时我很紧张"])
+@pytest.mark.parametrize("text", ["我还想再聊聊", "你说得对，我再想想", "再次见到他时我很紧张",
+                                  "我真的不想再见到他了", "我们再见面的时候再说吧", "我没再见过她"])
 def test_not_goodbye_zh(text):
   assert not chat.says_goodbye(text, "zh")
 

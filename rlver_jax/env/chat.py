@@ -106,7 +106,8 @@ def parse_policy_output(text: str, think: bool) -> PolicyTurn:
 
 # --- Goodbye detection --------------------------------------------------------------------------
 
-_ZH_GOODBYE = re.compile(r"再见|拜拜")
+# 再见 followed by 到/面/过 is "see (someone) again", not a farewell: 不想再见到他 / 再见面的时候.
+_ZH_GOODBYE = re.compile(r"再见(?![到面过])|拜拜")
 
 # Farewell words and phrases as whole words; ASCII-letter guards instead of \b so that "bye"
 # glued to Chinese text ("好的bye") still counts while "byes" / "bystander" do not.

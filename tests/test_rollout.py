@@ -259,3 +259,32 @@ def test_colocated_model_backend_two_dialogues(smol):
   for b in range(2):
     text = chat.decode(backend.tokens[b][:400])
     assert profiles[b].player.split()[0] in text or profiles[b].player[:20] in text
+
+
+def test_a_full_simulator_context_ends_only_that_dialogue(smol, tiny_policy):
+  # A random 1-layer simulator never stops on its own, so each answer takes all 200 tokens and the
+  # simulator's cache runs out after a few turns: those dialogues end as context_full (they used to
+  # raise and end the whole run), with every recorded list consistent.
+  _, chat = smol
+  model, policy_sampler = tiny_policy
+  profiles = load_demo_profiles()[:2]
+  lengths = []
+  for p in profiles:  # the first simulator prompt of each row, to size the cache just above it
+    probe = SimulatedUsers([p], ScriptedBackend(), start_emotion=30)
+    probe.opening()
+    lengths.append(len(chat.conversation(probe.records[0].messages[:2], add_generation_prompt=True)))
+  sim_sampler = Sampler(model, max_len=max(lengths) + 1200, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
+                        append_buckets=(64, 512))
+  backend = ModelBackend(sim_sampler, nnx.state(model), chat, max_new_tokens=200,
+                         sampling=SamplingParams.make(1.0), seed=0)
+  users = SimulatedUsers(profiles, backend, start_emotion=30, max_turns=10, max_parse_retries=1)
+  cfg = RolloutConfig(think=False, max_new_tokens=8)
+  dialogues = run_dialogues(profiles, [0, 1], users, sampler=policy_sampler, params=nnx.state(model),
+                            chat=chat, cfg=cfg, rng=jax.random.key(0))
+  for b, d in enumerate(dialogues):
+    assert d.termination == "context_full"
+    assert 1 <= len(d.policy_replies) < 10
+    assert len(d.emotions) == len(d.changes) + 1 == len(d.policy_replies) + 1
+    assert backend.is_full(b) and len(backend.tokens[b]) <= sim_sampler.max_len
+    assert int(np.asarray(backend.cache.lengths)[b]) == len(backend.tokens[b])
+    assert d.reward == pytest.approx(max(d.final_emotion / 100, 0.0))

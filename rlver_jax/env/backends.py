@@ -61,6 +61,9 @@ class SimulatorBackend(Protocol):
   def generate(self, requests: Sequence[SimRequest]) -> list[str]:
     """Appends each request's new messages to its row, generates, returns texts in request order."""
 
+  def is_full(self, row: int) -> bool:
+    """Whether the row's context has no room left (its answers are then empty; the dialogue ends)."""
+
 
 class SimulatorBackendError(RuntimeError):
   """A backend could not produce an answer within its retry bound."""
@@ -92,6 +95,9 @@ class HistoryBackend:
 
   def _answer(self, row: int, text: str) -> None:
     self._histories[row].append({"role": "assistant", "content": text})
+
+  def is_full(self, row: int) -> bool:
+    return False  # remote servers and the scripted rules have no context bound we track
 
 
 class ScriptedBackend(HistoryBackend):

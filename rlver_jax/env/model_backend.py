@@ -33,6 +33,7 @@ class ModelBackend(HistoryBackend):
     self.logits = None
     self.closed: list[bool] = []  # per row: whether the last generated turn ended with a stop id
     self.tokens: list[list[int]] = []  # per row: every token id in its cache, in order
+    self.full: list[bool] = []  # per row: a request did not fit; the row answers "" from then on
     self.generated_tokens = 0
 
   def reset(self, num_rows: int) -> None:
@@ -43,6 +44,10 @@ class ModelBackend(HistoryBackend):
     self.logits = self.sampler.empty_logits(num_rows)
     self.closed = [True] * num_rows
     self.tokens = [[] for _ in range(num_rows)]
+    self.full = [False] * num_rows
+
+  def is_full(self, row: int) -> bool:
+    return self.full[row]
 
   def _tokens_for(self, r: SimRequest) -> list[int]:
     ids: list[int] = []
@@ -58,20 +63,33 @@ class ModelBackend(HistoryBackend):
     rows = [[] for _ in range(B)]
     active = np.zeros(B, bool)
     for r in requests:
-      rows[r.row] = self._tokens_for(r)
-      self.tokens[r.row] += rows[r.row]
+      ids = self._tokens_for(r)
+      # The new messages plus a whole answer must fit; a row that cannot is full from now on and its
+      # dialogue ends (SimulatedUsers marks it context_full), like a policy row out of cache.
+      if self.full[r.row] or len(self.tokens[r.row]) + len(ids) + self.max_new_tokens > self.sampler.max_len:
+        if r.kind == "opening":
+          raise SimulatorBackendError(
+              f"the simulator's first prompt ({len(ids)} tokens) plus max_new_tokens="
+              f"{self.max_new_tokens} exceeds simulator.max_context={self.sampler.max_len}")
+        self.full[r.row] = True
+        continue
+      rows[r.row] = ids
+      self.tokens[r.row] += ids
       active[r.row] = True
-    try:
+    res = None
+    if active.any():
       self.cache, self.logits = self.sampler.append(self.params, self.cache, rows, self.logits)
-    except ValueError as e:
-      raise SimulatorBackendError(f"simulator context full ({e}); raise simulator.max_context") from e
-    self.rng, key = jax.random.split(self.rng)
-    res = self.sampler.decode(self.params, self.cache, self.logits, rng=key,
-                              max_new_tokens=self.max_new_tokens, sampling=self.sampling,
-                              active=active)
-    self.cache = res.cache
+      self.rng, key = jax.random.split(self.rng)
+      res = self.sampler.decode(self.params, self.cache, self.logits, rng=key,
+                                max_new_tokens=self.max_new_tokens, sampling=self.sampling,
+                                active=active)
+      self.cache = res.cache
     out = []
     for r in requests:
+      if self.full[r.row]:
+        self._answer(r.row, "")
+        out.append("")
+        continue
       ids = res.row(r.row)
       self.tokens[r.row] += ids
       self.closed[r.row] = bool(res.stopped[r.row])

@@ -25,7 +25,7 @@ from rlver_jax.env.backends import Message, SimRequest, SimulatorBackend
 from rlver_jax.env.chat import says_goodbye
 from rlver_jax.env.profiles import Profile, personality_key
 
-TERMINATIONS = ("goodbye", "emotion_zero", "emotion_full", "max_turns")
+TERMINATIONS = ("goodbye", "emotion_zero", "emotion_full", "max_turns", "context_full")
 MAX_CHANGE = 10
 
 # A change label: "change"/"变化" followed by a colon (after optional markdown) or directly a number.
@@ -255,14 +255,19 @@ class SimulatedUsers:
     for rec in recs:
       rec.reasoning.append(analyses[rec.row])
       rec.apply(changes[rec.row])
-      rec.termination = rec.emotion_termination(self.max_turns)
-    speaking = [rec for rec in recs if rec.termination != "max_turns"]
+      # A simulator out of context cannot judge or answer: the dialogue ends where it stands.
+      full = self._full(rec.row)
+      rec.termination = "context_full" if full else rec.emotion_termination(self.max_turns)
+    speaking = [rec for rec in recs if rec.termination not in ("max_turns", "context_full")]
     for rec in speaking:
       rec.messages.append({"role": "user", "content": prompts.reply_instruction(
           rec.emotion, rec.state, rec.language, self._passive(rec))})
     texts = self._generate(speaking, "reply")
     user_replies: dict[int, str] = {}
     for rec, text in zip(speaking, texts):
+      if self._full(rec.row):  # no room for the reply: end without one
+        rec.termination = rec.termination or "context_full"
+        continue
       reply = extract_reply(text)
       rec.replies.append(reply)
       user_replies[rec.row] = reply
@@ -288,7 +293,7 @@ class SimulatedUsers:
       for rec, text in zip(pending, texts):
         analyses[rec.row] = text
         changes[rec.row] = parse_change(text)
-        if changes[rec.row] is None:
+        if changes[rec.row] is None and not self._full(rec.row):  # full: nothing to retry
           failures[rec.row] += 1
           rec.parse_failures += 1
           failed.append(rec)
@@ -298,6 +303,10 @@ class SimulatedUsers:
         rec.messages.append({"role": "user", "content": prompts.retry_instruction(rec.language)})
       pending, kind = failed, "retry"
     return changes, failures, analyses
+
+  def _full(self, row: int) -> bool:
+    is_full = getattr(self.backend, "is_full", None)  # optional for backends without a context bound
+    return bool(is_full(row)) if is_full is not None else False
 
   def _generate(self, recs: list[UserState], kind: str) -> list[str]:
     """Sends each row its unsent messages, records the answers in the rows' contexts."""

@@ -29,7 +29,7 @@ def _flat(d: dict, prefix: str = "") -> dict[str, object]:
 
 
 def check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Writes WORKDIR/config.json, or fails if the one already there conflicts with `config`."""
+  """Fails if WORKDIR/config.json exists and conflicts with `config` (writes nothing)."""
   path = epath.Path(workdir) / "config.json"
   new = _flat(json.loads(config.to_json()))
   if path.exists():
@@ -41,11 +41,17 @@ def check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> Non
       raise ConfigConflictError(
           f"{path}: config.{k} was {old.get(k)!r} in this workdir, now {new.get(k)!r} "
           f"({len(changed)} conflicting key(s): {', '.join(changed[:5])}); use a new --workdir")
+
+
+def write_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Writes WORKDIR/config.json; call once every input has been checked and loaded, so a start that
+  fails on bad input leaves no config behind to conflict with the corrected command."""
+  path = epath.Path(workdir) / "config.json"
   if jax.process_count() > 1:
-    # Every host has read the old file before process 0 replaces it (no host reads a half-written
-    # file), and all raise above alike.
+    # Every host read the old file in check_workdir_config before process 0 replaces it (no host
+    # reads a half-written file).
     from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices("rlver_jax:check_workdir_config")
+    multihost_utils.sync_global_devices("rlver_jax:write_workdir_config")
   if jax.process_index() == 0:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(config.to_json(indent=2, sort_keys=True) + "\n")

@@ -27,7 +27,7 @@ from rlver_jax.metrics import MetricsWriter
 from rlver_jax.rl import advantages as adv_lib
 from rlver_jax.rl.losses import kl_penalty
 from rlver_jax.rl.update import Updater, make_optimizer, token_logprobs_and_entropy, token_values
-from rlver_jax.run_config import check_workdir_config
+from rlver_jax.run_config import check_workdir_config, write_workdir_config
 from rlver_jax.sharding import DEFAULT_RULES, batch_shards, global_array, host_array
 
 SEQ_MULTIPLE = 64  # packed lengths are rounded up to this, so few update programs are compiled
@@ -107,6 +107,7 @@ class Trainer:
     self.writer = MetricsWriter(workdir)
     self._logp_fn = jax.jit(self._old_logp)
     self._value_fn = jax.jit(self._old_values)
+    write_workdir_config(config, workdir)  # only now: every input above was found and loaded
 
   # -- state -------------------------------------------------------------------------------------
 

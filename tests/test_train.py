@@ -88,6 +88,15 @@ def test_config_conflict_on_resume_is_refused(world, tmp_path):
   assert (tmp_path / "config.json").read_text() == before
 
 
+def test_a_failed_start_leaves_the_workdir_usable(world, tmp_path):
+  bad = _config(world, "grpo", total_steps=1, **{"data.profiles": world["profiles"] + ".typo"})
+  with pytest.raises(ValueError, match=r"config\.data\.profiles"):
+    train.Trainer(bad, str(tmp_path))
+  assert not (tmp_path / "config.json").exists()
+  train.Trainer(_config(world, "grpo", total_steps=1), str(tmp_path))  # the corrected command runs
+  assert (tmp_path / "config.json").exists()
+
+
 def _main(args, **kw):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO / "tests"))
   return subprocess.Popen([sys.executable, "-m", "rlver_jax.main", *args], cwd=REPO, env=env,

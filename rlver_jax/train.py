@@ -136,6 +136,7 @@ class Trainer:
     profiles = self.profile_sampler.next_batch(c.rl.profiles_per_step)
     profiles, groups = repeat_for_groups(profiles, c.rl.group_size)
     s = c.simulator
+    _reseed_simulator(self.backend, rng)
     users = SimulatedUsers(profiles, self.backend, style=s.style, start_emotion=s.start_emotion,
                            max_turns=s.max_turns, max_parse_retries=s.max_parse_retries)
     stats = RolloutStats()
@@ -254,12 +255,24 @@ def summarize_rollout(dialogues: list[Dialogue]) -> dict[str, float]:
   return out
 
 
+_SIMULATOR_STREAM = 0x51A  # fold_in tag: the simulator's key, apart from the policy's
+
+
+def _reseed_simulator(backend, rng) -> None:
+  """A sampling simulator draws from a key derived from `rng` (the step's key, restored on resume),
+  not from a stream it advanced itself: resumed runs repeat it, and evaluations do not shift it."""
+  reseed = getattr(backend, "reseed", None)
+  if reseed is not None:
+    reseed(jax.random.fold_in(rng, _SIMULATOR_STREAM))
+
+
 def evaluate_holdout(trainer: Trainer, rng) -> dict:
   """The current policy on the held-out profiles, with the evaluation start emotion and turn limit."""
   c = trainer.config
   profiles = trainer.holdout[: c.eval.num_profiles]
   if not profiles:
     return {}
+  _reseed_simulator(trainer.backend, rng)
   users = SimulatedUsers(profiles, trainer.backend, style=c.simulator.style,
                          start_emotion=c.eval.start_emotion, max_turns=c.eval.max_turns,
                          max_parse_retries=c.simulator.max_parse_retries)

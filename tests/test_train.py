@@ -67,17 +67,26 @@ def _params(workdir, config):
   return jax.tree.map(np.asarray, trainer.state), trainer.step
 
 
-def test_resume_equals_straight_run(world, tmp_path):
+@pytest.mark.parametrize("simulator", ["scripted", "model"])
+def test_resume_equals_straight_run(world, tmp_path, simulator):
+  # With a sampling simulator (the tiny policy plays the user) its random draws must repeat too.
+  sim = {} if simulator == "scripted" else {
+      "simulator.backend": "model", "simulator.checkpoint": world["policy"],
+      "simulator.max_new_tokens": 6, "simulator.max_context": 2048, "simulator.dtype": "float32"}
+  cfg = lambda steps: _config(world, "grpo", total_steps=steps, **sim, **{"log.transcripts_every": 1})
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  train.run(_config(world, "grpo", total_steps=4), str(straight))
-  train.run(_config(world, "grpo", total_steps=2), str(resumed))
-  train.run(_config(world, "grpo", total_steps=4), str(resumed))  # same command, longer run
-  a, step_a = _params(straight, _config(world, "grpo", total_steps=4))
-  b, step_b = _params(resumed, _config(world, "grpo", total_steps=4))
+  train.run(cfg(4), str(straight))
+  train.run(cfg(2), str(resumed))
+  train.run(cfg(4), str(resumed))  # same command, longer run
+  a, step_a = _params(straight, cfg(4))
+  b, step_b = _params(resumed, cfg(4))
   assert step_a == step_b == 4
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(x, y)  # CPU XLA is deterministic: bitwise equal
   assert [m["reward_mean"] for m in _metrics(straight)] == [m["reward_mean"] for m in _metrics(resumed)]
+  for step in (3, 4):  # the dialogues after the resume, simulated user lines included
+    name = f"transcripts/step_{step:06d}.jsonl"
+    assert (straight / name).read_text() == (resumed / name).read_text()
 
 
 def test_config_conflict_on_resume_is_refused(world, tmp_path):

@@ -49,6 +49,10 @@ class ModelBackend(HistoryBackend):
   def is_full(self, row: int) -> bool:
     return self.full[row]
 
+  def reseed(self, key: jax.Array) -> None:
+    """Sets the sampling key; the trainer derives it from the run's state so a resume repeats it."""
+    self.rng = key
+
   def _tokens_for(self, r: SimRequest) -> list[int]:
     ids: list[int] = []
     if len(self._histories[r.row]) > len(r.new_messages):  # not the first call: close the last turn

@@ -518,3 +518,27 @@ def test_remote_scripts_parse(fake, sub):
     assert args == ["https://example.com/r.git", "main", "python3.12"]
   r = subprocess.run(["bash", "-n", "-c", script], capture_output=True, text=True, check=False)
   assert r.returncode == 0, r.stderr
+
+
+def _documented_runs(text: str) -> list[str]:
+  """Each `python -m rlver_jax.main` command in a Markdown file, continuation lines joined."""
+  joined = text.replace("\\\n", " ")
+  return [line[line.index("python -m rlver_jax.main"):] for line in joined.splitlines()
+          if "python -m rlver_jax.main" in line and "gs://" in line]
+
+
+@pytest.mark.parametrize("doc", ["launch/README.md", "README.md"])
+def test_documented_pod_runs_override_every_placeholder(doc):
+  # The shipped configs point every path at gs://YOUR_BUCKET; a documented run on a bucket must
+  # override each such key, or it fails on a placeholder path.
+  sys.path.insert(0, str(REPO / "configs"))
+  import base
+  config = base.get_base_config("grpo", think=True, arg=None)
+  placeholders = {f"{section}.{key}" for section, sub in config.items() if hasattr(sub, "items")
+                  for key, value in sub.items() if isinstance(value, str) and "YOUR_BUCKET" in value}
+  assert placeholders >= {"policy.checkpoint", "simulator.checkpoint", "data.profiles"}
+  runs = _documented_runs((REPO / doc).read_text())
+  assert runs, f"no pod run command found in {doc}"
+  for cmd in runs:
+    missing = sorted(k for k in placeholders if f"--config.{k}=" not in cmd)
+    assert not missing, f"{doc}: {cmd!r} leaves {missing} at gs://YOUR_BUCKET"

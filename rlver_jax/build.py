@@ -5,6 +5,8 @@ sees frozen dataclasses or plain arguments.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 import jax
@@ -83,6 +85,13 @@ def check_algo(config) -> None:
                         "term (set kl_in_reward=False)")
   if r.loss_norm_len < 0:
     raise ConfigError(f"config.rl.loss_norm_len={r.loss_norm_len}: must be >= 0 (0 = policy.max_context)")
+
+
+def holdout_rollout_config(config) -> RolloutConfig:
+  """The held-out evaluation during training: eval sampling (config.eval), terminal rewards."""
+  e = config.eval
+  return dataclasses.replace(rollout_config(config, eval_mode=True), temperature=e.temperature,
+                             top_p=e.top_p, top_k=e.top_k)
 
 
 def loss_config(config) -> LossConfig:

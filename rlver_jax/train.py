@@ -279,7 +279,7 @@ def evaluate_holdout(trainer: Trainer, rng) -> dict:
   with jax.set_mesh(trainer.mesh):
     dialogues = run_dialogues(profiles, list(range(len(profiles))), users, sampler=trainer.sampler,
                               params=trainer.state["policy"], chat=trainer.chat,
-                              cfg=build.rollout_config(c, eval_mode=True), rng=rng)
+                              cfg=build.holdout_rollout_config(c), rng=rng)
   s = summarize(dialogues)
   return {f"eval/{k}": s[k] for k in ("score", "success_rate", "failure_rate", "mean_turns")}
 

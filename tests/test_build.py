@@ -81,3 +81,13 @@ def test_dr_grpo_divisor_is_a_run_constant():
   assert build.loss_config(config).norm_len == config.policy.max_context
   config.rl.loss_norm_len = 4096
   assert build.loss_config(config).norm_len == 4096
+
+
+def test_holdout_evaluation_samples_like_the_sentient_evaluation():
+  # eval/score during training must be comparable with `rlver_jax.evaluate` (configs/eval_sentient.py).
+  train_cfg, eval_cfg = _config("grpo_think", None), _config("eval_sentient", None)
+  holdout, final = build.holdout_rollout_config(train_cfg), build.rollout_config(eval_cfg, eval_mode=True)
+  assert (holdout.temperature, holdout.top_p, holdout.top_k) == (final.temperature, final.top_p, final.top_k)
+  assert holdout.reward_mode == "terminal" and not holdout.format_penalty
+  rollout = build.rollout_config(train_cfg)
+  assert (rollout.temperature, rollout.top_p, rollout.top_k) == (1.0, 1.0, 0)  # training is unchanged

@@ -390,3 +390,38 @@ def test_real_training_profiles_run_end_to_end(shared_dir):
   for rec, profile in zip(users.records, profiles):
     assert rec.language == "zh" and profile.scene.strip() in rec.messages[0]["content"]
     assert rec.termination in ("max_turns", "emotion_full", "goodbye")
+
+
+class CutOffBackend(ScriptedBackend):
+  """Scripted, except reply-step answers are marker-less planning; `cut` says they were cut off."""
+
+  PLAN = "Plan: never reveal the hidden theme (I want them to admit I was right). Draft: well"
+
+  def __init__(self, cut: bool):
+    super().__init__()
+    self.cut = cut
+    self.last_kind = {}
+
+  def generate(self, requests):
+    out = super().generate(requests)
+    for i, r in enumerate(requests):
+      self.last_kind[r.row] = r.kind
+      if r.kind == "reply":
+        out[i] = self.PLAN
+        self._histories[r.row][-1]["content"] = out[i]
+    return out
+
+  def truncated(self, row):
+    return self.cut and self.last_kind.get(row) == "reply"
+
+
+@pytest.mark.parametrize("cut", [True, False])
+def test_planning_cut_off_before_the_reply_marker_never_reaches_the_policy(cut):
+  users = SimulatedUsers([_profile("deep_empathy")], CutOffBackend(cut), start_emotion=40, max_turns=5)
+  users.opening()
+  result = users.step([0], [EMPATHY])[0]
+  if cut:  # the private plan stays private: the user says nothing this turn
+    assert result.user_reply == "..." and users.records[0].cut_replies == 1
+    assert all("hidden theme" not in line for line in users.records[0].replies)
+  else:  # a finished answer without a marker is taken as the reply itself (a model that skipped the format)
+    assert result.user_reply == CutOffBackend.PLAN and users.records[0].cut_replies == 0

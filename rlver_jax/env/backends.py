@@ -64,6 +64,9 @@ class SimulatorBackend(Protocol):
   def is_full(self, row: int) -> bool:
     """Whether the row's context has no room left (its answers are then empty; the dialogue ends)."""
 
+  def truncated(self, row: int) -> bool:
+    """Whether the row's last answer was cut by the token limit before the model finished it."""
+
 
 class SimulatorBackendError(RuntimeError):
   """A backend could not produce an answer within its retry bound."""
@@ -98,6 +101,9 @@ class HistoryBackend:
 
   def is_full(self, row: int) -> bool:
     return False  # remote servers and the scripted rules have no context bound we track
+
+  def truncated(self, row: int) -> bool:
+    return False  # scripted answers are whole; the HTTP backend does not read finish_reason yet
 
 
 class ScriptedBackend(HistoryBackend):

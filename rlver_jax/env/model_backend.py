@@ -49,6 +49,9 @@ class ModelBackend(HistoryBackend):
   def is_full(self, row: int) -> bool:
     return self.full[row]
 
+  def truncated(self, row: int) -> bool:
+    return not self.full[row] and not self.closed[row]
+
   def reseed(self, key: jax.Array) -> None:
     """Sets the sampling key; the trainer derives it from the run's state so a resume repeats it."""
     self.rng = key

@@ -87,6 +87,15 @@ def _strip_quotes(text: str) -> str:
   return text
 
 
+# What a user "says" when the simulator's answer was cut off before its reply marker: the text
+# before the marker is private planning (it may name the hidden theme) and must not reach the policy.
+_SILENT_REPLY = {"en": "...", "zh": "……"}
+
+
+def has_reply_marker(text: str) -> bool:
+  return _REPLY_LABEL.search(text) is not None
+
+
 def extract_reply(text: str) -> str:
   """The text after the last reply marker (the whole text if none), stripped of quotes."""
   markers = list(_REPLY_LABEL.finditer(text))
@@ -115,6 +124,7 @@ class UserState:
   replies: list[str] = dataclasses.field(default_factory=list)
   policy_replies: list[str] = dataclasses.field(default_factory=list)
   parse_failures: int = 0
+  cut_replies: int = 0  # answers cut off before their reply marker (replaced by a silent reply)
   termination: str | None = None
   messages: list[Message] = dataclasses.field(default_factory=list)
   sent: int = 0  # how many of `messages` the backend has already been given
@@ -241,7 +251,7 @@ class SimulatedUsers:
         to_generate.append(rec)
     texts = self._generate(to_generate, "opening")
     for rec, text in zip(to_generate, texts):
-      rec.replies.append(extract_reply(text))
+      rec.replies.append(self._reply_from(rec, text))
     return [rec.replies[0] for rec in self.records]
 
   def step(self, rows: Sequence[int], policy_replies: Sequence[str]) -> list[TurnResult]:
@@ -268,7 +278,7 @@ class SimulatedUsers:
       if self._full(rec.row):  # no room for the reply: end without one
         rec.termination = rec.termination or "context_full"
         continue
-      reply = extract_reply(text)
+      reply = self._reply_from(rec, text)
       rec.replies.append(reply)
       user_replies[rec.row] = reply
       if rec.termination is None and says_goodbye(reply, rec.language):
@@ -303,6 +313,15 @@ class SimulatedUsers:
         rec.messages.append({"role": "user", "content": prompts.retry_instruction(rec.language)})
       pending, kind = failed, "retry"
     return changes, failures, analyses
+
+  def _reply_from(self, rec: UserState, text: str) -> str:
+    """The line the policy sees. A whole answer without a marker is taken as the reply itself; one
+    cut off before its marker is planning, so the user stays silent instead."""
+    truncated = getattr(self.backend, "truncated", None)
+    if not has_reply_marker(text) and truncated is not None and truncated(rec.row):
+      rec.cut_replies += 1
+      return _SILENT_REPLY.get(rec.language, _SILENT_REPLY["en"])
+    return extract_reply(text)
 
   def _full(self, row: int) -> bool:
     is_full = getattr(self.backend, "is_full", None)  # optional for backends without a context bound

@@ -19,7 +19,7 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from rlver_jax import build
+from rlver_jax import build, provenance
 from rlver_jax.env import simulator_prompts
 from rlver_jax.env.evaluation import summarize
 from rlver_jax.env.profiles import Profile
@@ -199,5 +199,5 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> tuple[dict, dict[str
                              progress=config.log.progress_bar and jax.process_index() == 0)
   summary = eval_summary(dialogues)
   summary.update(policy_checkpoint=path, eval_seconds=time.perf_counter() - t0,
-                 config=json.loads(config.to_json()))
+                 config=json.loads(config.to_json()), provenance=provenance.describe(config))
   return summary, write_outputs(workdir, dialogues, summary, config)

@@ -17,7 +17,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from rlver_jax import build
+from rlver_jax import build, provenance
 from rlver_jax.checkpoint import Checkpointer, PreemptionGuard, abstract_like
 from rlver_jax.env.evaluation import summarize
 from rlver_jax.env.profiles import ProfileSampler, repeat_for_groups, split_holdout
@@ -75,6 +75,7 @@ class Trainer:
     self.workdir = workdir
     build.check_algo(config)
     check_workdir_config(config, workdir)
+    start = provenance.check(config, workdir)
     self.mesh = build.mesh_from(config)
     profiles = build.profiles_from(config.data.profiles)
     self.train_profiles, self.holdout = split_holdout(profiles, config.data.num_holdout, config.seed)
@@ -108,6 +109,7 @@ class Trainer:
     self._logp_fn = jax.jit(self._old_logp)
     self._value_fn = jax.jit(self._old_values)
     write_workdir_config(config, workdir)  # only now: every input above was found and loaded
+    provenance.append(workdir, start)
 
   # -- state -------------------------------------------------------------------------------------
 

@@ -106,6 +106,11 @@ def test_summary_agrees_with_transcripts(world, tmp_path, start_emotion):
   advice = [t["final_emotion"] for t in transcripts if t["task"] == _ADVICE]
   assert summary["by_task"]["actionable_advice"]["score"] == pytest.approx(np.mean(advice))
   assert summary["config"]["eval"]["start_emotion"] == start_emotion
+  # The prompt texts and code version the score came from (prompts live in code, not the config).
+  from rlver_jax import provenance
+  assert summary["provenance"]["prompts_sha256"] == provenance.prompts_sha256(
+      config.policy.think, config.simulator.style)
+  assert summary["provenance"]["git_commit"]
   assert json.loads(pathlib.Path(paths["config"]).read_text()) == json.loads(config.to_json())
   for tr, (_, _, _, first_talk) in zip(transcripts, _PROFILES):
     _check_transcript(tr, first_talk, start_emotion, config.eval.max_turns)

@@ -1,0 +1,82 @@
+"""What a run's results depend on beyond its config: the prompt texts (they live in code) and the
+code version. Written to WORKDIR/provenance.json; a resume with different prompt texts is refused,
+since mixing prompt versions in one run changes what the policy is trained on.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import subprocess
+
+import jax
+import ml_collections
+from etils import epath
+
+from rlver_jax.env import simulator_prompts as sim_prompts
+from rlver_jax.env.chat import policy_system_prompt
+from rlver_jax.env.profiles import Profile
+from rlver_jax.run_config import ConfigConflictError
+
+# A fixed stand-in persona: the fingerprint covers the templates, not any profile's content.
+_PROBE = Profile(id="probe", player="<player>", scene="<scene>", main_cha="<main_cha>",
+                 cha_group=("<cha_group>",), task="<task>")
+
+
+def rendered_prompts(think: bool, style: str) -> dict[str, str]:
+  """Every prompt template of the policy and the simulator, rendered for both languages."""
+  out = {}
+  for lang in sim_prompts.LANGUAGES:
+    out[f"policy_system/{lang}"] = policy_system_prompt(think, lang)
+    out[f"simulator_system/{lang}"] = sim_prompts.system_prompt(_PROBE, style, lang)
+    for passive in (False, True):
+      out[f"opening/{lang}/{passive}"] = sim_prompts.opening_instruction(lang, passive)
+      out[f"reply/{lang}/{passive}"] = sim_prompts.reply_instruction(50, "B", lang, passive)
+    out[f"emotion/{lang}"] = sim_prompts.emotion_instruction("<policy reply>", 50, lang, style)
+    out[f"retry/{lang}"] = sim_prompts.retry_instruction(lang)
+  return out
+
+
+def prompts_sha256(think: bool, style: str) -> str:
+  blob = json.dumps(rendered_prompts(think, style), sort_keys=True, ensure_ascii=False)
+  return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def git_commit() -> str:
+  """HEAD of the checkout this package runs from ('+dirty' with uncommitted changes), or 'unknown'."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                          check=True, timeout=10).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                           capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+  return head + ("+dirty" if dirty else "")
+
+
+def describe(config: ml_collections.ConfigDict) -> dict:
+  return {"prompts_sha256": prompts_sha256(config.policy.think, config.simulator.style),
+          "git_commit": git_commit(), "jax": jax.__version__}
+
+
+def check(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """This start's provenance; refuses a workdir whose run used other prompt texts."""
+  path = epath.Path(workdir) / "provenance.json"
+  now = describe(config)
+  if path.exists():
+    first = json.loads(path.read_text())[0]
+    if first["prompts_sha256"] != now["prompts_sha256"]:
+      raise ConfigConflictError(
+          f"{path}: the prompt texts changed since this run started (prompts_sha256 "
+          f"{first['prompts_sha256'][:12]} -> {now['prompts_sha256'][:12]}); use a new --workdir")
+  return now
+
+
+def append(workdir: str, now: dict) -> None:
+  """Adds this start to WORKDIR/provenance.json (a list: the first start, then each resume)."""
+  path = epath.Path(workdir) / "provenance.json"
+  if jax.process_index() == 0:
+    history = json.loads(path.read_text()) if path.exists() else []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(history + [now], indent=2) + "\n")

@@ -103,7 +103,7 @@ class HistoryBackend:
     return False  # remote servers and the scripted rules have no context bound we track
 
   def truncated(self, row: int) -> bool:
-    return False  # scripted answers are whole; the HTTP backend does not read finish_reason yet
+    return False  # scripted answers are whole
 
 
 class ScriptedBackend(HistoryBackend):
@@ -175,15 +175,25 @@ class OpenAIChatBackend(HistoryBackend):
     return (f"OpenAIChatBackend(base_url={s.base_url!r}, model={s.model!r}, "
             f"api_key_env={s.api_key_env!r})")
 
+  def reset(self, num_rows: int) -> None:
+    super().reset(num_rows)
+    self._cut = [False] * num_rows
+
+  def truncated(self, row: int) -> bool:
+    return self._cut[row]
+
   def generate(self, requests: Sequence[SimRequest]) -> list[str]:
     self._extend(requests)
     bodies = [self._body(self._histories[r.row]) for r in requests]
-    out = _on_process_zero(lambda: self._post_all(bodies))
-    for r, text in zip(requests, out):
+    answers = _on_process_zero(lambda: self._post_all(bodies))  # [text, finish_reason] pairs
+    out = []
+    for r, (text, finish) in zip(requests, answers):
+      self._cut[r.row] = finish == "length"  # the server stopped at max_tokens
       self._answer(r.row, text)
+      out.append(text)
     return out
 
-  def _post_all(self, bodies: list[bytes]) -> list[str]:
+  def _post_all(self, bodies: list[bytes]) -> list[list]:
     workers = min(self.settings.max_concurrency, max(len(bodies), 1))
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
       return list(pool.map(self._post_with_retries, bodies))
@@ -194,7 +204,7 @@ class OpenAIChatBackend(HistoryBackend):
                "top_p": s.top_p, "max_tokens": s.max_tokens}
     return json.dumps(payload, ensure_ascii=False).encode("utf-8")
 
-  def _post_with_retries(self, body: bytes) -> str:
+  def _post_with_retries(self, body: bytes) -> list:
     s = self.settings
     problem = "no attempt made"
     for attempt in range(s.max_attempts):
@@ -207,7 +217,7 @@ class OpenAIChatBackend(HistoryBackend):
     raise SimulatorBackendError(self._scrub(
         f"POST {self._path} failed after {s.max_attempts} attempts: {problem}"))
 
-  def _post_once(self, body: bytes) -> str:
+  def _post_once(self, body: bytes) -> list:
     headers = {"Content-Type": "application/json"}
     key = os.environ.get(self.settings.api_key_env, "")
     if key:
@@ -238,8 +248,8 @@ class OpenAIChatBackend(HistoryBackend):
     return message.replace(key, "***") if key else message
 
 
-def _on_process_zero(fetch: Callable[[], list[str]]) -> list[str]:
-  """Runs `fetch` on process 0 only and hands its texts (or its failure) to every process.
+def _on_process_zero(fetch: Callable[[], list]) -> list:
+  """Runs `fetch` on process 0 only and hands its answers (or its failure) to every process.
 
   A sampled HTTP answer differs from call to call: if every host asked the server, hosts would
   parse different texts, append different token ids and run diverging collective programs.
@@ -249,7 +259,7 @@ def _on_process_zero(fetch: Callable[[], list[str]]) -> list[str]:
   payload: dict = {}
   if jax.process_index() == 0:
     try:
-      payload = {"texts": fetch()}
+      payload = {"answers": fetch()}
     except SimulatorBackendError as e:
       payload = {"error": str(e)}
     except Exception as e:  # every host must raise, or the others would wait in the next collective
@@ -257,11 +267,12 @@ def _on_process_zero(fetch: Callable[[], list[str]]) -> list[str]:
   payload = json.loads(broadcast_bytes(json.dumps(payload).encode("utf-8")).decode("utf-8"))
   if "error" in payload:
     raise SimulatorBackendError(payload["error"])
-  return payload["texts"]
+  return payload["answers"]
 
 
-def _content(raw: bytes) -> str:
-  """`choices[0].message.content` of a response body; malformed bodies are retryable failures."""
+def _content(raw: bytes) -> list:
+  """[choices[0].message.content, choices[0].finish_reason] of a response body (finish_reason None
+  when absent); malformed bodies are retryable failures."""
   try:
     data = json.loads(raw.decode("utf-8"))
   except (UnicodeDecodeError, json.JSONDecodeError):
@@ -272,4 +283,5 @@ def _content(raw: bytes) -> str:
     raise _Retryable("response lacks choices[0].message.content") from None
   if not isinstance(content, str):
     raise _Retryable("choices[0].message.content is not a string")
-  return content
+  finish = data["choices"][0].get("finish_reason") if isinstance(data["choices"][0], dict) else None
+  return [content, finish if isinstance(finish, str) else None]

@@ -103,3 +103,14 @@ def test_refuses_non_empty_dir_and_value_heads(tmp_path):
   critic = create_model(config, dtype=jnp.float32, head="value")
   with pytest.raises(ValueError, match="head='value'"):
     export_pretrained(critic, config, tmp_path / "critic")
+
+
+def test_truncated_checkpoint_is_a_clear_error(tmp_path):
+  # An export cut short (a crash, a partial copy) must name the file, not fail deep in numpy.
+  config = _config(qkv_bias=False, tied=True)
+  export_pretrained(create_model(config, dtype=jnp.float32), config, tmp_path)
+  weights = tmp_path / "model.safetensors"
+  data = weights.read_bytes()
+  weights.write_bytes(data[: len(data) - 1000])
+  with pytest.raises(ValueError, match=r"model\.safetensors: .*truncated"):
+    load_pretrained(str(tmp_path), dtype=jnp.float32)

@@ -109,7 +109,13 @@ def read_tensor(info: TensorInfo, name: str = "") -> np.ndarray:
   if expected != info.nbytes:
     raise ValueError(f"{info.file}: tensor {name} has {info.nbytes} bytes, but shape {list(info.shape)} "
                      f"of {info.dtype} needs {expected}")
-  data = storage.read_range(info.file, info.start, info.end)
+  try:
+    data = storage.read_range(info.file, info.start, info.end)
+  except OSError as e:
+    raise ValueError(f"{info.file}: cannot read tensor {name} ({e})") from None
+  if len(data) != info.nbytes:
+    raise ValueError(f"{info.file}: tensor {name} needs bytes {info.start}-{info.end}, the file ends "
+                     f"before that (truncated?)")
   READ_STATS["max_bytes"] = max(READ_STATS["max_bytes"], len(data))
   READ_STATS["total_bytes"] += len(data)
   READ_STATS["reads"] += 1

@@ -6,7 +6,6 @@ sees frozen dataclasses or plain arguments.
 from __future__ import annotations
 
 import dataclasses
-
 import os
 
 import jax

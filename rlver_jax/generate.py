@@ -77,7 +77,7 @@ def _interactive(sampler: Sampler, params, chat: ChatTokens, system: str | None,
       cache, logits = sampler.append(params, cache, [ids])
     rng, key = jax.random.split(rng)
     res = sampler.decode(params, cache, logits, rng=key, max_new_tokens=_MAX_NEW.value, sampling=sp,
-                         budget=[_room(sampler, cache)])
+                         reserve=1)
     cache = res.cache
     reply = res.row(0)
     print("bot>", chat.decode(reply, skip_special_tokens=True).strip(), flush=True)

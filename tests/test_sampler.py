@@ -226,6 +226,21 @@ def test_budget_and_inactive_rows(checkpoint):
   assert (res.tokens[1] == 0).all()
 
 
+def test_reserve_keeps_slots_free_at_the_cache_end(checkpoint):
+  _, model = checkpoint
+  params = nnx.state(model)
+  sampler = _sampler(model)
+  cache, logits = sampler.prefill(params, sampler.init_cache(3), PROMPTS[:3])
+  room = sampler.max_len - np.asarray(cache.lengths)
+  res = sampler.decode(params, cache, logits, rng=jax.random.key(0), max_new_tokens=int(room.max()) + 5,
+                       sampling=SamplingParams.make(1.0), budget=[int(room[0]) + 5, 2, int(room[2]) + 5],
+                       reserve=1)
+  # Rows 0 and 2 fill the cache up to its last slot, unless they hit a stop id first.
+  assert ((res.num_tokens == room - 1) | res.stopped)[[0, 2]].all()
+  assert res.num_tokens[1] <= 2
+  assert (np.asarray(res.cache.lengths) <= sampler.max_len - 1).all()
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mesh_gives_single_device_results(tmp_path, layout):
   make_hf_checkpoint(tmp_path, std=0.3, eos=EOS, heads=4, kv_heads=2, hidden=64)

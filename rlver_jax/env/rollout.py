@@ -141,9 +141,8 @@ def run_dialogues(profiles: Sequence[Profile], group_ids: Sequence[int], users: 
     active[live] = True
     rng, key = jax.random.split(rng)
     # One slot stays free so a reply cut by the cache can still be closed with <|im_end|>.
-    room = np.maximum(sampler.max_len - host_array(cache.lengths) - 1, 0)
     res = sampler.decode(params, cache, logits, rng=key, max_new_tokens=cfg.max_new_tokens,
-                         sampling=sampling, active=active, budget=room)
+                         sampling=sampling, active=active, reserve=1)
     cache = res.cache
     lengths = host_array(cache.lengths).copy()
     replies, appends = [], [[] for _ in range(B)]

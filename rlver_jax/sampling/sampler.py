@@ -182,14 +182,19 @@ class Sampler:
 
   def decode(self, params, cache: KVCache, logits, *, rng: jax.Array, max_new_tokens: int,
              sampling: SamplingParams | None = None, active: Sequence[bool] | None = None,
-             budget: Sequence[int] | None = None) -> DecodeResult:
-    """Samples up to max_new_tokens per active row, stopping each row at a stop id or its budget."""
+             budget: Sequence[int] | None = None, reserve: int = 0) -> DecodeResult:
+    """Samples up to max_new_tokens per active row, stopping each row at a stop id or its budget.
+
+    `reserve` slots stay free after every row's reply (e.g. 1 to close a reply cut short with
+    <|im_end|>); the cache's end bounds the budget either way.
+    """
     B = cache.batch_size
     sampling = sampling or SamplingParams.make()
     lengths = _host(cache.lengths)
     active = np.ones(B, bool) if active is None else np.asarray(active, bool)
     budget = np.full(B, max_new_tokens) if budget is None else np.minimum(budget, max_new_tokens)
-    budget = np.minimum(budget, self.max_len - lengths).astype(np.int32)  # never write past the cache
+    room = np.maximum(self.max_len - reserve - lengths, 0)  # never write past the cache
+    budget = np.minimum(budget, room).astype(np.int32)
     window = bucket(int(max((lengths + np.where(active, budget, 0)).max(), 1)), self.windows)
     out = self._decode(self.graphdef, params, cache, logits, jnp.asarray(active), jnp.asarray(budget),
                        self.stop_ids, rng, sampling, window=window, max_new=max_new_tokens,

@@ -103,8 +103,12 @@ def from_hf_config(cfg: dict[str, Any] | str) -> Qwen2Config:
                      "(expected 'qwen2' or 'llama')")
   heads = cfg["num_attention_heads"]
   d = cfg["hidden_size"]
-  # Qwen2 always has q/k/v biases; Llama has them only with attention_bias.
-  bias = True if model_type == "qwen2" else bool(cfg.get("attention_bias", False))
+  # Qwen2 has q/k/v biases and no o_proj bias; Llama's attention_bias adds all four, and this model
+  # has no o_proj bias to load it into.
+  if model_type == "llama" and cfg.get("attention_bias"):
+    raise ValueError("config.json: attention_bias=true (Llama) is not supported: its o_proj bias has "
+                     "no place in this model")
+  bias = model_type == "qwen2"
   if cfg.get("mlp_bias"):
     raise ValueError("config.json: mlp_bias=true is not supported")
   if cfg.get("hidden_act", "silu") != "silu":

@@ -104,6 +104,16 @@ def median(xs) -> float:
   return statistics.median(xs)
 
 
+def best_and_median(fn, reps: int) -> tuple[float, float]:
+  """(best, median) seconds of `reps` calls of fn (which must wait for its own result)."""
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    fn()
+    ts.append(time.perf_counter() - t0)
+  return min(ts), median(ts)
+
+
 def table(header: list[str], rows: list[list]) -> str:
   """A Markdown table; floats are formatted with 3 significant digits unless already strings."""
   def fmt(x):

@@ -13,7 +13,6 @@ each layer's weights as separate buffers (sliced before the jit), which our stac
 from __future__ import annotations
 
 import argparse
-import time
 
 import _common  # noqa: F401  (JAX_PLATFORMS=cpu unless the caller set it)
 import jax
@@ -21,21 +20,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from _common import command_line, median, table
-from decode_throughput_gpu import shape_config
+from _common import best_and_median, command_line, table
+from model_shapes import shape_config
 from rlver_jax.models import create_model
 from rlver_jax.sampling.sampler import Sampler
 from rlver_jax.sampling.strategies import SamplingParams
 
 
 def best(fn, reps: int) -> float:
+  """Best seconds of `reps` calls after a warm-up (compile) call, waiting for each result."""
   jax.block_until_ready(fn())
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    ts.append(time.perf_counter() - t0)
-  return min(ts)
+  return best_and_median(lambda: jax.block_until_ready(fn()), reps)[0]
 
 
 def our_step(config, dtype, batch: int, reps: int, short: int = 32, long: int = 160) -> tuple[float, int]:
@@ -58,6 +53,8 @@ def our_step(config, dtype, batch: int, reps: int, short: int = 32, long: int = 
 
 
 def dot_weights(config, dtype):
+  """Random stacked [L, ...] weights of one step's seven projections per layer, the LM head, and the
+  query width."""
   c = config
   L, D, F, V = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size
   q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -77,16 +74,21 @@ def layer(h, p, q):
   return h * jax.lax.rsqrt(jnp.mean(jnp.square(h.astype(jnp.float32)), -1, keepdims=True) + 1e-6).astype(h.dtype)
 
 
+def scanned_dots(q: int):
+  """Jitted (x, stacked weights, head) -> next tokens: the step's dots in a layer scan, as the model."""
+  @jax.jit
+  def step(x, w, head):
+    h, _ = jax.lax.scan(lambda h, p: (layer(h, p, q), None), x, w)
+    return jnp.argmax(h @ head.T, -1)
+  return step
+
+
 def dots_floor(config, dtype, batch: int, reps: int) -> tuple[float, float, int]:
   """(scan seconds, unrolled seconds, weight bytes) of one step's dots alone."""
   w, head, q = dot_weights(config, dtype)
   x = jnp.ones((batch, config.hidden_size), dtype)
 
-  @jax.jit
-  def scanned(x, w, head):
-    h, _ = jax.lax.scan(lambda h, p: (layer(h, p, q), None), x, w)
-    return jnp.argmax(h @ head.T, -1)
-
+  scanned = scanned_dots(q)
   per_layer = [{n: a[i] for n, a in w.items()} for i in range(config.num_layers)]
 
   @jax.jit

@@ -77,28 +77,45 @@ class Ours:
 
 
 class HF:
-  """transformers generate on torch CPU, EOS disabled so every row produces `new` tokens."""
+  """transformers generate, EOS disabled so every row produces `new` tokens; on a GPU the clock
+  stops only after the device has finished."""
 
   def __init__(self, path: str, new: int, threads: int):
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(threads)
-    self.torch = torch
+    self.torch, self.device, self.new = torch, "cpu", new
     self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    self.new = new
+
+  @classmethod
+  def from_model(cls, model, device: str, new: int) -> "HF":
+    """Wraps an already loaded model on `device` ("cpu" or "cuda")."""
+    import torch
+    hf = cls.__new__(cls)
+    hf.torch, hf.model, hf.device, hf.new = torch, model, device, new
+    return hf
+
+  def _sync(self):
+    if self.device == "cuda":
+      self.torch.cuda.synchronize()
+
+  def _generate(self, ids, new: int, kwargs):
+    with self.torch.inference_mode():
+      out = self.model.generate(ids, attention_mask=self.torch.ones_like(ids), max_new_tokens=new,
+                                min_new_tokens=new, eos_token_id=None, pad_token_id=0, **kwargs)
+    self._sync()
+    return out
 
   def generate(self, prompts: np.ndarray, temperature: float, seed: int, new: int | None = None):
     torch = self.torch
     new = new or self.new
-    ids = torch.from_numpy(prompts.astype(np.int64))
+    ids = torch.from_numpy(prompts.astype(np.int64)).to(self.device)
     kwargs = dict(do_sample=False) if temperature == 0 else dict(
         do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
     torch.manual_seed(seed)
-    with torch.inference_mode():
-      out, t = timed(self.model.generate, ids, attention_mask=torch.ones_like(ids),
-                     max_new_tokens=new, min_new_tokens=new, eos_token_id=None,
-                     pad_token_id=0, **kwargs)
-    gen = out[:, prompts.shape[1]:].numpy()
+    self._sync()
+    out, t = timed(self._generate, ids, new, kwargs)
+    gen = out[:, prompts.shape[1]:].cpu().numpy()
     assert gen.shape[1] == new, gen.shape
     return gen, t
 

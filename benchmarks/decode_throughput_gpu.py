@@ -40,29 +40,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from _common import command_line, median, table, timed  # noqa: E402
-from decode_throughput import Ours, agreement  # noqa: E402
-from rlver_jax.models.presets import PRESETS, Qwen2Config, to_hf_config  # noqa: E402
-
-# Published config.json values of SmolLM2-135M(-Instruct) (Llama architecture, tied embeddings).
-SMOLLM2_135M = Qwen2Config(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                           num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100_000.0,
-                           rms_norm_eps=1e-5, tie_word_embeddings=True, qkv_bias=False,
-                           max_position_embeddings=8192, bos_token_id=1, eos_token_id=(2,),
-                           pad_token_id=2)
-TINY = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=16, rope_theta=10_000.0, rms_norm_eps=1e-6,
-                   tie_word_embeddings=False, qkv_bias=True, max_position_embeddings=1024,
-                   bos_token_id=None, eos_token_id=(1,), pad_token_id=0)
-
-
-def shape_config(name: str) -> Qwen2Config:
-  if name == "tiny":
-    return TINY
-  if name == "smollm2-135m":
-    return SMOLLM2_135M
-  return PRESETS[name]
-
+from _common import command_line, median, table  # noqa: E402
+from decode_throughput import HF, Ours, agreement  # noqa: E402
+from model_shapes import shape_config  # noqa: E402
+from rlver_jax.models.presets import Qwen2Config, to_hf_config  # noqa: E402
 
 def save_random_checkpoint(config: Qwen2Config, dtype: str, device: str, out_dir: str):
   """Random transformers model of this shape on `device`, saved to `out_dir`; returns the model."""
@@ -78,37 +59,6 @@ def save_random_checkpoint(config: Qwen2Config, dtype: str, device: str, out_dir
   return model
 
 
-class HFOnDevice:
-  """transformers `generate` with EOS disabled, synchronised before the clock stops."""
-
-  def __init__(self, model, device: str, new: int):
-    import torch
-    self.torch, self.model, self.device, self.new = torch, model, device, new
-
-  def _sync(self):
-    if self.device == "cuda":
-      self.torch.cuda.synchronize()
-
-  def _run(self, ids, kwargs):
-    with self.torch.inference_mode():
-      out = self.model.generate(ids, attention_mask=self.torch.ones_like(ids), max_new_tokens=self.new,
-                                min_new_tokens=self.new, eos_token_id=None, pad_token_id=0, **kwargs)
-    self._sync()
-    return out
-
-  def generate(self, prompts: np.ndarray, temperature: float, seed: int):
-    torch = self.torch
-    ids = torch.from_numpy(prompts.astype(np.int64)).to(self.device)
-    kwargs = dict(do_sample=False) if temperature == 0 else dict(
-        do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
-    torch.manual_seed(seed)
-    self._sync()
-    out, t = timed(self._run, ids, kwargs)
-    gen = out[:, prompts.shape[1]:].cpu().numpy()
-    assert gen.shape[1] == self.new, gen.shape
-    return gen, t
-
-
 def bench_one(shape: str, dtype: str, args) -> list:
   import torch
   config = shape_config(shape)
@@ -118,9 +68,9 @@ def bench_one(shape: str, dtype: str, args) -> list:
   with tempfile.TemporaryDirectory() as tmp:
     hf_model = save_random_checkpoint(config, dtype, args.device, tmp)
     ours = Ours(tmp, getattr(jnp, dtype), args.prompt + 1, args.new, pad_id=0)
-  hf = HFOnDevice(hf_model, args.device, args.new)
+  hf = HF.from_model(hf_model, args.device, args.new)
 
-  (_, t_pre0, t_dec0), first_ours = ours.generate(prompts, 0.0, 0), None
+  _, t_pre0, t_dec0 = ours.generate(prompts, 0.0, 0)
   first_ours = t_pre0 + t_dec0
   _, first_hf = hf.generate(prompts, 0.0, 0)
   res = {(m, s): [] for m in ("greedy", "T=1") for s in ("ours", "hf")}

@@ -18,24 +18,13 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 
 import _common  # noqa: F401
-from _common import command_line, machine_info, median, table
+from _common import best_and_median, command_line, machine_info, table
 
 SMOL_PARAMS = 134_515_008  # SmolLM2-135M (tied embeddings)
-SMOL = dict(layers=30, embed=576, heads=9, kv_heads=3, head_dim=64, mlp=1536, vocab=49152)
-
-
-def best_and_median(fn, reps: int) -> tuple[float, float]:
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    fn()
-    ts.append(time.perf_counter() - t0)
-  return min(ts), median(ts)
 
 
 def threaded_sum(a: np.ndarray, threads: int) -> None:
@@ -52,26 +41,11 @@ def xla_dots(reps: int) -> tuple[float, float, int]:
   """(best, median) seconds of the decode step's dots alone at batch 8, and the weight bytes read."""
   import jax
   import jax.numpy as jnp
-  c = SMOL
-  L, D, F, V = c["layers"], c["embed"], c["mlp"], c["vocab"]
-  q, kv = c["heads"] * c["head_dim"], c["kv_heads"] * c["head_dim"]
-  keys = iter(jax.random.split(jax.random.key(0), 10))
-  shapes = dict(wq=(L, D, q), wk=(L, D, kv), wv=(L, D, kv), wo=(L, q, D), gate=(L, D, F), up=(L, D, F),
-                down=(L, F, D))
-  w = {n: jax.random.normal(next(keys), s, jnp.float32) * 0.02 for n, s in shapes.items()}
-  embed = jax.random.normal(next(keys), (V, D), jnp.float32) * 0.02
-  x = jax.random.normal(next(keys), (8, D), jnp.float32)
-
-  @jax.jit
-  def step(x, w, embed):
-    def layer(h, p):  # the dots of a decode step; the cheap elementwise glue keeps them dependent
-      a = jnp.concatenate([h @ p["wq"], h @ p["wk"], h @ p["wv"]], -1)[:, :q]
-      h = h + a @ p["wo"]
-      h = h + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
-      return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6), None
-    h, _ = jax.lax.scan(layer, x, w)
-    return jnp.argmax(h @ embed.T, -1)
-
+  from decode_step_floor import dot_weights, scanned_dots
+  from model_shapes import SMOLLM2_135M
+  w, embed, q = dot_weights(SMOLLM2_135M, jnp.float32)
+  x = jax.random.normal(jax.random.key(2), (8, SMOLLM2_135M.hidden_size), jnp.float32)
+  step = scanned_dots(q)
   jax.block_until_ready(step(x, w, embed))
   best, med = best_and_median(lambda: jax.block_until_ready(step(x, w, embed)), reps)
   nbytes = sum(a.nbytes for a in w.values()) + embed.nbytes

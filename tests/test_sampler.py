@@ -271,3 +271,40 @@ class _null:
 
   def __exit__(self, *a):
     return False
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(checkpoint):
+  # On device such ids embed as NaN (or wrap around when negative) and poison the whole row.
+  _, model = checkpoint
+  params = nnx.state(model)
+  V = model.config.vocab_size
+  with pytest.raises(ValueError, match=f"pad_id {V} is not a token id"):
+    Sampler(model, max_len=32, stop_ids=[EOS], pad_id=V)
+  with pytest.raises(ValueError, match="pad_id -1"):
+    Sampler(model, max_len=32, stop_ids=[EOS], pad_id=-1)
+  sampler = _sampler(model)
+  cache, logits = sampler.prefill(params, sampler.init_cache(2), PROMPTS[:2])
+  for bad, message in ((V, f"row 1, position 2: token id {V} is outside"), (-3, "token id -3")):
+    with pytest.raises(ValueError, match=message):
+      sampler.append(params, cache, [[7], [8, 9, bad]], logits)
+  # The refused calls did not consume (donate) the cache: it still decodes from the same state.
+  np.testing.assert_array_equal(np.asarray(cache.lengths), [len(p) for p in PROMPTS[:2]])
+  cache, logits = sampler.append(params, cache, [[V - 1], []], logits)
+  assert np.isfinite(np.asarray(logits)).all()
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.0])
+def test_max_new_tokens_must_be_a_positive_integer(checkpoint, n):
+  _, model = checkpoint
+  params = nnx.state(model)
+  sampler = _sampler(model)
+  cache, logits = sampler.prefill(params, sampler.init_cache(1), PROMPTS[:1])
+  with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
+    sampler.decode(params, cache, logits, rng=jax.random.key(0), max_new_tokens=n)
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=float("nan")), dict(temperature=float("inf")),
+                                      dict(top_p=float("nan")), dict(temperature=-0.5)])
+def test_bad_sampling_settings_are_refused(settings):
+  with pytest.raises(ValueError, match="bad sampling settings"):
+    SamplingParams.make(**settings)

@@ -104,6 +104,21 @@ def _decode_fn(graphdef, params, cache: KVCache, logits_BxV, active_B, budget_B,
   return KVCache(s["k"], s["v"], s["lengths"], cache.layout), s["tokens"], s["count"], s["slp"], s["mlp"], s["stopped"]
 
 
+def _check_ids(rows: Sequence[Sequence[int]], vocab: int) -> None:
+  """Host-side check: an id outside [0, vocab) would embed as NaN (or wrap, if negative) on device."""
+  for b, row in enumerate(rows):
+    if len(row) == 0:
+      continue
+    ids = np.asarray(row)
+    if not np.issubdtype(ids.dtype, np.integer):
+      raise ValueError(f"row {b}: token ids must be integers, got dtype {ids.dtype}")
+    bad = np.nonzero((ids < 0) | (ids >= vocab))[0]
+    if bad.size:
+      i = int(bad[0])
+      raise ValueError(f"row {b}, position {i}: token id {int(ids[i])} is outside the vocabulary "
+                       f"[0, {vocab})")
+
+
 class Sampler:
   """Runs a Qwen2 model's prefill / append / decode programs on a KV cache of `max_len` slots.
 
@@ -119,6 +134,10 @@ class Sampler:
     self.config = model.config
     self.max_len = max_len
     self.stop_ids = jnp.asarray(list(stop_ids), jnp.int32)
+    vocab = model.config.vocab_size
+    if not 0 <= pad_id < vocab:
+      # An id outside the embedding table reads NaN (jnp.take's fill) and poisons every padded row.
+      raise ValueError(f"pad_id {pad_id} is not a token id of this model (vocabulary [0, {vocab}))")
     self.pad_id = pad_id
     # No append can outgrow the cache, so buckets past max_len collapse into max_len.
     self.append_buckets = tuple(sorted({min(b, max_len) for b in append_buckets}))
@@ -165,6 +184,7 @@ class Sampler:
       b = int(over[0])
       raise ValueError(f"row {b}: {lengths[b]} cached + {new[b]} new tokens exceed the cache length "
                        f"{self.max_len}")
+    _check_ids(rows, self.config.vocab_size)
     logits = self.empty_logits(B) if prev_logits is None else prev_logits
     chunk = self.append_buckets[-1]
     for start in range(0, max(int(new.max()), 1), chunk):
@@ -188,6 +208,9 @@ class Sampler:
     `reserve` slots stay free after every row's reply (e.g. 1 to close a reply cut short with
     <|im_end|>); the cache's end bounds the budget either way.
     """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+        or max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     B = cache.batch_size
     sampling = sampling or SamplingParams.make()
     lengths = _host(cache.lengths)

@@ -23,7 +23,8 @@ class SamplingParams:
 
   @staticmethod
   def make(temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> "SamplingParams":
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+    # `not (x >= 0)` also refuses NaN, which every plain comparison lets through.
+    if not (0 <= temperature < float("inf")) or not 0 < top_p <= 1 or top_k < 0:
       raise ValueError(f"bad sampling settings: temperature={temperature} (>= 0), top_p={top_p} "
                        f"(in (0, 1]), top_k={top_k} (>= 0)")
     return SamplingParams(jnp.float32(temperature), jnp.float32(top_p), jnp.int32(top_k))

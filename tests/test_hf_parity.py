@@ -141,3 +141,20 @@ def test_errors_name_file_and_tensor(tmp_path):
   os.remove(tmp_path / "config.json")
   with pytest.raises(FileNotFoundError, match=r"config\.json: missing"):
     load_pretrained(str(tmp_path), dtype=jnp.float32)
+
+
+def test_single_file_wins_over_a_stale_index_like_transformers(tmp_path):
+  # A directory holding both layouts (e.g. a sharded export later overwritten by a single file by
+  # another tool): transformers loads model.safetensors, so must we.
+  import shutil
+  make_hf_checkpoint(tmp_path / "sharded", max_shard_size="40KB", seed=1)
+  torch_model = make_hf_checkpoint(tmp_path / "both", seed=2)
+  for p in (tmp_path / "sharded").glob("model*.safetensors*"):
+    shutil.copy(p, tmp_path / "both" / p.name)
+  import transformers
+  hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "both"), dtype="float32").eval()
+  ids = np.arange(2, 14).reshape(2, 6)
+  ref = torch_logits(hf, ids)
+  np.testing.assert_allclose(ref, torch_logits(torch_model, ids), rtol=1e-6, atol=1e-6)
+  ours, _ = load_pretrained(str(tmp_path / "both"), dtype=jnp.float32)
+  np.testing.assert_allclose(np.asarray(ours(jnp.asarray(ids, jnp.int32))), ref, rtol=1e-4, atol=1e-4)

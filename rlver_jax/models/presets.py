@@ -92,6 +92,21 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
   return float(theta)
 
 
+def _sliding_layers(cfg: dict[str, Any]) -> list[int]:
+  """Layers that transformers' Qwen2 runs with sliding-window attention for this config.json.
+
+  The window is on only with use_sliding_window; then the layers are those marked in layer_types
+  (transformers 5) or, without that list, layers from max_window_layers on (transformers 4).
+  """
+  if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:
+    return []
+  types = cfg.get("layer_types")
+  if types is not None:
+    return [i for i, t in enumerate(types) if t == "sliding_attention"]
+  first = cfg.get("max_window_layers", 28)  # transformers' default when the key is absent
+  return list(range(first, cfg["num_hidden_layers"]))
+
+
 def from_hf_config(cfg: dict[str, Any] | str) -> Qwen2Config:
   """Builds a config from a Hugging Face config.json (a dict or a path), transformers 4.x or 5.x."""
   if isinstance(cfg, str):
@@ -113,6 +128,11 @@ def from_hf_config(cfg: dict[str, Any] | str) -> Qwen2Config:
     raise ValueError("config.json: mlp_bias=true is not supported")
   if cfg.get("hidden_act", "silu") != "silu":
     raise ValueError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+  sliding = _sliding_layers(cfg)
+  if sliding:
+    raise ValueError(f"config.json: sliding-window attention (use_sliding_window=true, window "
+                     f"{cfg.get('sliding_window')}) on {len(sliding)} layers is not supported; this "
+                     "model attends to the full context")
   eos = cfg.get("eos_token_id")
   dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
   return Qwen2Config(

@@ -45,6 +45,13 @@ def dtype_code(dtype) -> str:
   return _CODES[dt]
 
 
+def numpy_dtype(code: str) -> np.dtype:
+  """The numpy dtype of a safetensors dtype code ("F32", "BF16", "F16")."""
+  if code not in _DTYPES:
+    raise ValueError(f"safetensors: dtype {code} is not supported (F32, BF16 or F16)")
+  return _DTYPES[code]
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
   """Where one tensor lives: file, dtype code, shape and absolute byte range."""
@@ -86,6 +93,9 @@ def open_checkpoint(directory: str) -> tuple[dict[str, TensorInfo], str]:
   """
   index_path = storage.join(directory, INDEX_FILE)
   single = storage.join(directory, SINGLE_FILE)
+  # With both present (a stale export), the single file wins, as in transformers' loader.
+  if storage.exists(single):
+    return read_header(single), single
   if storage.exists(index_path):
     weight_map = json.loads(storage.read_bytes(index_path))["weight_map"]
     table = {}
@@ -95,8 +105,6 @@ def open_checkpoint(directory: str) -> tuple[dict[str, TensorInfo], str]:
         raise FileNotFoundError(f"{shard_path}: shard listed in {INDEX_FILE} is missing")
       table.update(read_header(shard_path))
     return table, index_path
-  if storage.exists(single):
-    return read_header(single), single
   raise FileNotFoundError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} found")
 
 

@@ -7,7 +7,6 @@ of the mesh at hand.
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 import ml_collections
@@ -17,6 +16,7 @@ from flax import nnx
 
 from rlver_jax import build
 from rlver_jax.models import export_pretrained, storage
+from rlver_jax.models import safetensors_io as st
 from rlver_jax.models.factory import abstract_model, state_shardings
 from rlver_jax.models.presets import from_hf_config, param_dtype_of
 from rlver_jax.sharding import MeshConfig, make_mesh
@@ -81,14 +81,8 @@ def restore_policy(config: ml_collections.ConfigDict, manager: ocp.CheckpointMan
   return nnx.merge(graphdef, restored["state"]["policy"]), model_config, path
 
 
-def _same_dir(a: str, b: str) -> bool:
-  if storage.is_gcs(a) or storage.is_gcs(b):
-    return a.rstrip("/") == b.rstrip("/")
-  return os.path.abspath(a) == os.path.abspath(b)
-
-
 def _check_out(out: str, workdir: str, overwrite: bool) -> None:
-  if _same_dir(out, workdir) or storage.exists(storage.join(out, "checkpoints")):
+  if storage.same_dir(out, workdir) or storage.exists(storage.join(out, "checkpoints")):
     raise ExportError(f"output directory {out} is a training workdir; choose another one")
   existing = storage.list_dir(out)
   if existing and not overwrite:
@@ -96,11 +90,47 @@ def _check_out(out: str, workdir: str, overwrite: bool) -> None:
                       "--overwrite to write over it")
 
 
+def _input_checkpoints(config: ml_collections.ConfigDict) -> dict[str, str]:
+  """config key -> directory of each checkpoint the run reads (base policy, critic, simulator)."""
+  out = {}
+  for key in ("policy.checkpoint", "critic.checkpoint", "simulator.checkpoint"):
+    section, name = key.split(".")
+    path = config.get(section, {}).get(name) if section in config else None
+    if path == "embedded":
+      from rlver_jax.models.embedded import embedded_model_dir
+      path = embedded_model_dir()
+    if path:
+      out[key] = str(path)
+  return out
+
+
+def _check_not_an_input(out: str, config: ml_collections.ConfigDict) -> None:
+  # Overwriting the base policy would lose the weights the run (its KL reference, a resume) reads.
+  for key, path in _input_checkpoints(config).items():
+    if storage.same_dir(out, path):
+      raise ExportError(f"output directory {out} is the run's {key}; choose another one")
+
+
+def base_dtype(base: str) -> str:
+  """The export's default dtype: the base checkpoint's config.json dtype, else its stored weights'.
+
+  (Without a named dtype the config reader assumes bfloat16, which would quietly halve an fp32 base.)
+  """
+  cfg = json.loads(storage.read_bytes(storage.join(base, "config.json")))
+  named = cfg.get("dtype") or cfg.get("torch_dtype")
+  if named:
+    return str(named)
+  table, _ = st.open_checkpoint(base)
+  info = table.get("model.embed_tokens.weight") or next(iter(table.values()))
+  return st.numpy_dtype(info.dtype).name
+
+
 def export(workdir: str, out: str, *, step: int | None = None, overwrite: bool = False,
            dtype: str | None = None) -> int:
   """Writes the policy of `step` (default: latest) under `out`; returns the step exported."""
   _check_out(out, workdir, overwrite)
   config = load_run_config(workdir)
+  _check_not_an_input(out, config)
   manager = _manager(workdir)
   try:
     step = pick_step(manager, step)
@@ -108,7 +138,7 @@ def export(workdir: str, out: str, *, step: int | None = None, overwrite: bool =
     with jax.set_mesh(mesh):
       model, model_config, base = restore_policy(config, manager, step, mesh)
       export_pretrained(model, model_config, out, tokenizer_dir=base, overwrite=overwrite,
-                        dtype=param_dtype_of(dtype or model_config.checkpoint_dtype))
+                        dtype=param_dtype_of(dtype or base_dtype(base)))
   finally:
     manager.close()
   return step

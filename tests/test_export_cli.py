@@ -103,6 +103,32 @@ def test_export_errors(run, tmp_path):
   assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3"))
 
 
+def test_export_refuses_the_runs_own_base_checkpoint(run, tmp_path):
+  # --overwrite onto the base policy used to delete its weights before failing on the tokenizer copy.
+  base_dir = pathlib.Path(run["world"]["policy"])
+  before = {p.name: p.read_bytes() for p in base_dir.iterdir() if p.is_file()}
+  link = tmp_path / "same_base"
+  link.symlink_to(base_dir)  # another name for the same directory
+  for out in (base_dir, link):
+    with pytest.raises(ValueError, match="is the run's policy.checkpoint"):
+      trained_policy.export(run["workdir"], str(out), overwrite=True)
+  assert {p.name: p.read_bytes() for p in base_dir.iterdir() if p.is_file()} == before
+
+
+def test_export_pretrained_over_its_own_source(run, tmp_path):
+  # Writing a model back over the directory it came from keeps the tokenizer files in place.
+  import shutil
+  from rlver_jax.models import export_pretrained
+  src = tmp_path / "copy"
+  shutil.copytree(run["world"]["policy"], src)
+  model, config = load_pretrained(str(src), dtype=jnp.float32)
+  tokenizer = (src / "tokenizer.json").read_bytes()
+  export_pretrained(model, config, str(src), tokenizer_dir=str(src), overwrite=True)
+  assert (src / "tokenizer.json").read_bytes() == tokenizer
+  again, _ = load_pretrained(str(src), dtype=jnp.float32)
+  np.testing.assert_array_equal(_logits(again), _logits(model))
+
+
 def _cli(*args):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", "rlver_jax.export", *args], cwd=REPO, env=env,
@@ -129,3 +155,18 @@ def test_cli_refuses_to_overwrite(run, tmp_path):
   proc = _cli(f"--workdir={run['workdir']}", f"--out={out}", "--step=1", "--overwrite")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert {n: (out / n).read_bytes() for n in os.listdir(out)} != before
+
+
+def test_default_export_dtype_follows_the_base(tmp_path):
+  from hf_checkpoints import make_hf_checkpoint
+  make_hf_checkpoint(tmp_path / "base")  # fp32 weights, config.json names float32
+  assert trained_policy.base_dtype(str(tmp_path / "base")) == "float32"
+  cfg = json.loads((tmp_path / "base" / "config.json").read_text())
+  for key in ("dtype", "torch_dtype"):
+    cfg.pop(key, None)
+  (tmp_path / "base" / "config.json").write_text(json.dumps(cfg))
+  # No dtype named: the stored weights decide (fp32 here), not the reader's bfloat16 assumption.
+  assert trained_policy.base_dtype(str(tmp_path / "base")) == "float32"
+  cfg["torch_dtype"] = "bfloat16"
+  (tmp_path / "base" / "config.json").write_text(json.dumps(cfg))
+  assert trained_policy.base_dtype(str(tmp_path / "base")) == "bfloat16"

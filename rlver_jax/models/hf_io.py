@@ -303,6 +303,8 @@ def _write_text(out_dir: str, name: str, text: str) -> None:
 
 
 def _copy_tokenizer(tokenizer_dir: str, out_dir: str) -> None:
+  if storage.same_dir(tokenizer_dir, out_dir):  # written over its own source: files already there
+    return
   present = set(storage.list_dir(tokenizer_dir))
   for name in TOKENIZER_FILES:
     if name in present:

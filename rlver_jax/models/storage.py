@@ -125,3 +125,10 @@ def remove(path: str) -> None:
 def make_dirs(path: str) -> None:
   if not is_gcs(path):  # GCS has no directories.
     os.makedirs(path, exist_ok=True)
+
+
+def same_dir(a: str, b: str) -> bool:
+  """Whether two directory paths name the same place (local paths after resolving links)."""
+  if is_gcs(a) or is_gcs(b):
+    return a.rstrip("/") == b.rstrip("/")
+  return os.path.realpath(a) == os.path.realpath(b)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
 
-from rlver_jax.models import load_pretrained
+from rlver_jax.models import load_pretrained, storage
 from rlver_jax.models.presets import param_dtype_of
 from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
 from rlver_jax.sampling.sampler import Sampler
@@ -81,8 +81,16 @@ def _interactive(sampler: Sampler, params, chat: ChatTokens, system: str | None,
     cache = res.cache
     reply = res.row(0)
     print("bot>", chat.decode(reply, skip_special_tokens=True).strip(), flush=True)
-    if not reply or reply[-1] not in chat.stop_ids:  # cut by the budget: close the turn ourselves
+    if reply[-1:] != [chat.im_end]:  # cut by the budget or ended by <|endoftext|>: close the turn
       cache, logits = sampler.append(params, cache, [[chat.im_end]])
+
+
+def check_checkpoint(path: str) -> None:
+  """A local or gs:// Hugging Face checkpoint directory, checked before anything loads."""
+  if not storage.is_gcs(path) and not os.path.isdir(path):
+    raise FileNotFoundError(f"--checkpoint={path}: no such directory")
+  if not storage.exists(storage.join(path, "config.json")):
+    raise FileNotFoundError(f"--checkpoint={path}: no config.json there (not a Hugging Face checkpoint)")
 
 
 def _check_flags() -> SamplingParams:
@@ -92,8 +100,8 @@ def _check_flags() -> SamplingParams:
   for name, flag, low in (("max_new_tokens", _MAX_NEW, 1), ("batch_size", _BATCH, 1), ("max_len", _MAX_LEN, 2)):
     if flag.value < low:
       raise ValueError(f"--{name}={flag.value}: must be >= {low}")
-  if _CHECKPOINT.value is not None and not os.path.isdir(_CHECKPOINT.value):
-    raise FileNotFoundError(f"--checkpoint={_CHECKPOINT.value}: no such directory")
+  if _CHECKPOINT.value is not None:
+    check_checkpoint(_CHECKPOINT.value)
   return SamplingParams.make(_TEMPERATURE.value, _TOP_P.value, _TOP_K.value)
 
 

@@ -101,3 +101,16 @@ def test_load_tokenizer_through_gcs(gcs):
   tok = load_tokenizer("gs://bucket/smol")
   assert tok.encode("<|im_start|>user", add_special_tokens=False)[0] == 1
   assert tok.chat_template == load_tokenizer(local).chat_template
+
+
+def test_generate_accepts_a_gcs_checkpoint(tmp_path, gcs):
+  # generate's flag check used os.path.isdir, which refused every gs:// checkpoint.
+  from rlver_jax.generate import check_checkpoint
+  make_hf_checkpoint(tmp_path / "ckpt", arch="qwen2", tied=True, kv_heads=1)
+  _upload_dir(tmp_path / "ckpt", "gs://bucket/ckpt")
+  check_checkpoint("gs://bucket/ckpt")
+  check_checkpoint(str(tmp_path / "ckpt"))
+  with pytest.raises(FileNotFoundError, match="no config.json there"):
+    check_checkpoint("gs://bucket/nothing")
+  with pytest.raises(FileNotFoundError, match="no such directory"):
+    check_checkpoint(str(tmp_path / "nothing"))

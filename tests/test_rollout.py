@@ -288,3 +288,36 @@ def test_a_full_simulator_context_ends_only_that_dialogue(smol, tiny_policy):
     assert backend.is_full(b) and len(backend.tokens[b]) <= sim_sampler.max_len
     assert int(np.asarray(backend.cache.lengths)[b]) == len(backend.tokens[b])
     assert d.reward == pytest.approx(max(d.final_emotion / 100, 0.0))
+
+
+def test_turns_ended_by_another_stop_id_are_closed_with_im_end(smol, tiny_policy):
+  # With every id a stop id each turn is one sampled token, mostly not <|im_end|> (as when a model
+  # ends with <|endoftext|>): the template's <|im_end|> must still close each turn before the next
+  # message, unmasked, in the policy's trajectory and in the simulator's cache.
+  _, chat = smol
+  model, _ = tiny_policy
+  params = nnx.state(model)
+  everything = list(range(model.config.vocab_size))
+  policy = Sampler(model, max_len=1024, stop_ids=everything, pad_id=chat.pad_id, append_buckets=(64, 512))
+  sim = Sampler(model, max_len=2048, stop_ids=everything, pad_id=chat.pad_id, append_buckets=(64, 512))
+  backend = ModelBackend(sim, params, chat, max_new_tokens=8, sampling=SamplingParams.make(1.0), seed=0)
+  profiles = load_demo_profiles()[:2]
+  users = SimulatedUsers(profiles, backend, start_emotion=30, max_turns=3, max_parse_retries=0)
+  dialogues = run_dialogues(profiles, [0, 1], users, sampler=policy, params=params, chat=chat,
+                            cfg=RolloutConfig(think=False, max_new_tokens=8), rng=jax.random.key(0))
+  closed_by_us = 0
+  for d in dialogues:
+    s = d.samples[0]
+    for a, b in _spans(s.loss_mask):
+      assert b - a == 1
+      if s.tokens[a] != chat.im_end:
+        assert s.tokens[b] == chat.im_end and s.loss_mask[b] == 0
+        closed_by_us += 1
+  assert closed_by_us > 0
+  start = chat.tokenizer.convert_tokens_to_ids("<|im_start|>")
+  for b in range(2):
+    assert not backend.truncated(b)  # stopped, not cut short
+    tokens = backend.tokens[b]
+    # Every <|im_start|> after the first opens a message right after a closed one.
+    for i in [i for i, t in enumerate(tokens) if t == start][1:]:
+      assert tokens[i - 2:i] == [chat.im_end] + chat.encode("\n"), chat.decode(tokens[i - 4:i + 1])

@@ -173,7 +173,9 @@ def run_dialogues(profiles: Sequence[Profile], group_ids: Sequence[int], users: 
         row.mask += [1] * len(gen)
         row.logp += gen_logp
         row.turn_ends.append(len(row.ctx) - 1)
-        if not res.stopped[b]:  # cut by the budget: close the turn (not sampled, so mask 0)
+        # Cut by the budget, or stopped by another stop id (<|endoftext|>): close the turn as the
+        # template does (not sampled, so mask 0).
+        if gen[-1:] != [chat.im_end]:
           appends[b].append(chat.im_end)
           row.ctx.append(chat.im_end)
           row.mask.append(0)

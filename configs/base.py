@@ -111,7 +111,7 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.optim = ml_collections.ConfigDict()
   c.optim.actor_lr = 1e-6
   c.optim.critic_lr = 5e-6
-  c.optim.warmup_steps = 10
+  c.optim.warmup_steps = 10          # optimizer updates (epochs x mini_batches per RL step), not RL steps
   c.optim.b1 = 0.9
   c.optim.b2 = 0.999
   c.optim.weight_decay = 0.01

@@ -82,6 +82,16 @@ def check_algo(config) -> None:
     if r.kl_in_reward and r.kl_coef > 0:
       raise ConfigError("config.rl.kl_in_reward=True needs algo=ppo: GRPO takes its KL as a loss "
                         "term (set kl_in_reward=False)")
+    if r.group_size < 2:
+      raise ConfigError(f"config.rl.group_size={r.group_size}: GRPO needs >= 2 dialogues per profile "
+                        "(a group of one has zero advantage, so nothing is learned)")
+  p = config.policy
+  if (p.temperature != 1.0 or p.top_p != 1.0 or p.top_k != 0) and not r.tis_cap:
+    # The trainer's ratios use the model's own (T=1, untruncated) log-probs; samples drawn from a
+    # reshaped distribution are off-policy unless truncated importance sampling corrects them.
+    raise ConfigError(f"config.policy sampling (temperature={p.temperature}, top_p={p.top_p}, "
+                      f"top_k={p.top_k}) differs from the distribution being trained: use 1.0 / 1.0 / "
+                      "0, or set config.rl.tis_cap (e.g. 2.0) to correct for it")
   if r.loss_norm_len < 0:
     raise ConfigError(f"config.rl.loss_norm_len={r.loss_norm_len}: must be >= 0 (0 = policy.max_context)")
 

@@ -52,6 +52,7 @@ def test_samplers_use_the_configured_buckets():
     (dict(reward_mode="per_turn"), "config.rl.reward_mode"),
     (dict(kl_in_reward=True, kl_coef=0.1), "config.rl.kl_in_reward"),
     (dict(loss_norm_len=-1), "config.rl.loss_norm_len"),
+    (dict(group_size=1), "config.rl.group_size"),
 ])
 def test_grpo_refuses_settings_it_would_ignore(overrides, key):
   config = _config()
@@ -66,6 +67,19 @@ def test_ppo_takes_per_turn_rewards_and_kl_in_reward():
   config.rl.reward_mode, config.rl.kl_in_reward, config.rl.kl_coef = "per_turn", True, 0.1
   build.check_algo(config)
   assert build.loss_config(config).kl_coef == 0.0  # the KL moved into the rewards
+
+
+@pytest.mark.parametrize("key,value", [("temperature", 0.7), ("top_p", 0.9), ("top_k", 20)])
+def test_reshaped_policy_sampling_needs_importance_correction(key, value):
+  # Ratios are taken against the model's T=1 log-probs, so tempered / truncated samples are
+  # off-policy; truncated importance sampling (rl.tis_cap) is what makes them usable.
+  for algo in ("grpo_think", "ppo_nothink"):
+    config = _config(algo, None)
+    config.policy[key] = value
+    with pytest.raises(build.ConfigError, match=r"config\.policy sampling .*config\.rl\.tis_cap"):
+      build.check_algo(config)
+    config.rl.tis_cap = 2.0
+    build.check_algo(config)
 
 
 def test_unknown_algo_is_a_config_error():

@@ -33,6 +33,7 @@ from ml_collections import config_flags
 
 from rlver_jax import aot_run
 from rlver_jax.aot_programs import PROGRAMS
+from rlver_jax.run_config import parse_flags
 from rlver_jax.sharding import MeshConfig, make_mesh
 
 _GIB = 2**30
@@ -419,4 +420,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

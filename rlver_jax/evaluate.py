@@ -17,6 +17,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from rlver_jax import distributed
+from rlver_jax.run_config import parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/eval_sentient.py.",
                                           lock_config=True)
@@ -44,4 +45,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -16,6 +16,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from rlver_jax import distributed
+from rlver_jax.run_config import parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/grpo_think.py.",
                                           lock_config=True)
@@ -54,4 +55,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

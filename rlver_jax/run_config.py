@@ -6,6 +6,8 @@ save, log or evaluate) may change, so a finished run can be continued with a lar
 from __future__ import annotations
 
 import json
+import re
+import sys
 
 import jax
 import ml_collections
@@ -55,3 +57,20 @@ def write_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> Non
   if jax.process_index() == 0:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(config.to_json(indent=2, sort_keys=True) + "\n")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a --config.KEY override that names no key as a one-line error.
+
+  ml_collections raises AttributeError from inside the parser for such a key, which absl would
+  print as a traceback (its own flag errors are already one line).
+  """
+  from absl import app
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError) as e:
+    name = str(e).strip("\"'")
+    bad = [a.split("=")[0] for a in argv[1:]
+           if a.startswith("--config.") and re.search(rf"\.{re.escape(name)}(\.|=|$)", a)]
+    flag = bad[0] if bad else "a --config.KEY override"
+    sys.exit(f"error: {flag}: no such config key ({name!r}); see the config file for its keys")

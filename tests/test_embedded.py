@@ -139,3 +139,40 @@ def test_unpermute_inverts_llama_cpp_order():
   halves = hf.reshape(heads, 2, dh // 2, 2)
   gguf = np.stack([halves[:, 0], halves[:, 1]], axis=2).reshape(heads * dh, 2)
   np.testing.assert_array_equal(embedded.unpermute_rotary_rows(gguf, heads), hf)
+
+
+class _FakeReader:
+  """Just the metadata calls _config makes on a gguf.GGUFReader."""
+
+  def __init__(self, fields):
+    self.tensors = [type("T", (), {"name": "output.weight"})()]
+    self._fields = fields
+
+  def get_field(self, key):
+    if key not in self._fields:
+      return None
+    return type("F", (), {"contents": lambda _, v=self._fields[key]: v})()
+
+
+_GGUF_BASE = {"general.architecture": "llama", "llama.embedding_length": 256,
+              "llama.attention.head_count": 4, "llama.feed_forward_length": 512,
+              "llama.block_count": 2, "tokenizer.ggml.tokens": ["a"] * 100}
+
+
+@pytest.mark.parametrize("extra,head_dim", [
+    ({}, 64),
+    ({"llama.rope.dimension_count": 64}, 64),
+    ({"llama.attention.key_length": 128, "llama.attention.value_length": 128,
+      "llama.rope.dimension_count": 128}, 128),  # head size other than d / heads
+])
+def test_gguf_head_size_comes_from_key_length(extra, head_dim):
+  assert embedded._config(_FakeReader({**_GGUF_BASE, **extra})).head_dim == head_dim
+
+
+@pytest.mark.parametrize("extra", [
+    {"llama.rope.dimension_count": 32},  # partial rotary: it used to become the head size
+    {"llama.attention.key_length": 128, "llama.attention.value_length": 64},
+])
+def test_gguf_unsupported_head_layouts_are_refused(extra):
+  with pytest.raises(ValueError, match="GGUF: head size"):
+    embedded._config(_FakeReader({**_GGUF_BASE, **extra}))

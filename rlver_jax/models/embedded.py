@@ -135,12 +135,20 @@ def _config(reader) -> Qwen2Config:
   heads = int(_field(reader, "llama.attention.head_count"))
   names = {t.name for t in reader.tensors}
   vocab = len(_field(reader, "tokenizer.ggml.tokens"))
+  # The head size is attention.key_length (d / heads without it); rope.dimension_count is how much
+  # of it is rotated, and this model rotates whole heads.
+  head_dim = int(_field(reader, "llama.attention.key_length", d // heads))
+  value_dim = int(_field(reader, "llama.attention.value_length", head_dim))
+  rotary = int(_field(reader, "llama.rope.dimension_count", head_dim))
+  if value_dim != head_dim or rotary != head_dim:
+    raise ValueError(f"GGUF: head size {head_dim} with value size {value_dim} and {rotary} rotary "
+                     "dimensions is not supported (all three must be equal)")
   return Qwen2Config(
       vocab_size=int(_field(reader, "llama.vocab_size", vocab)), hidden_size=d,
       intermediate_size=int(_field(reader, "llama.feed_forward_length")),
       num_layers=int(_field(reader, "llama.block_count")), num_heads=heads,
       num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
-      head_dim=int(_field(reader, "llama.rope.dimension_count", d // heads)),
+      head_dim=head_dim,
       rope_theta=_float32_value(_field(reader, "llama.rope.freq_base", 10_000.0)),
       rms_norm_eps=_float32_value(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
       tie_word_embeddings="output.weight" not in names,

@@ -110,13 +110,18 @@ def test_strip_stop():
 
 @pytest.mark.parametrize("text", [
     "好的，谢谢你，再见！", "拜拜啦", "那我先走了，拜拜~", "好的bye", "嗯嗯，bye bye",
+    "好的，再见！", "再见了", "拜拜~", "那就这样吧，再见", "再见啦😊", "下次再见。", "拜拜咯～谢谢你",
+    "谢谢，再见了。", "那就再见吧",
 ])
 def test_goodbye_zh(text):
   assert chat.says_goodbye(text, "zh")
 
 
 @pytest.mark.parametrize("text", ["我还想再聊聊", "你说得对，我再想想", "再次见到他时我很紧张",
-                                  "我真的不想再见到他了", "我们再见面的时候再说吧", "我没再见过她"])
+                                  "我真的不想再见到他了", "我们再见面的时候再说吧", "我没再见过她",
+                                  "我真的不想再见他了", "以后还能再见吗", "以后还能再见？",
+                                  "我再也不想再见了", "我没来得及跟她说再见。", "我不想和你说再见",
+                                  "再见到你真好", "再见了吗？"])
 def test_not_goodbye_zh(text):
   assert not chat.says_goodbye(text, "zh")
 
@@ -126,6 +131,7 @@ def test_not_goodbye_zh(text):
     "Alright, see you later.", "See you!", "see ya tomorrow", "Farewell.",
     "I have to go now, take care!", "Talk to you later.", "ok talk soon 🙂",
     "Thanks for listening. Goodbye Sam", "You helped, bye now",
+    "See you again soon!", "Thanks. See you again.", "I'll see you later!",
 ])
 def test_goodbye_en(text):
   assert chat.says_goodbye(text, "en")
@@ -137,6 +143,8 @@ def test_goodbye_en(text):
     "They threw me a farewell party.", "I hate goodbyes.", "I see you're busy.",
     "I see you care about this.", "Please take care of the forms.", "Let's talk later about it",
     "Buy it by Monday.", "Standby mode.", "It was a goodbye gift.",
+    "I never want to see you again.", "I don't want to see you again!", "I won't see you again.",
+    "Will I ever see you again?", "Nice to see you.",
 ])
 def test_not_goodbye_en(text):
   assert not chat.says_goodbye(text, "en")

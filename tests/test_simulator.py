@@ -52,7 +52,7 @@ OFF_THEME = "The weather is nice today."  # no hit -> -2
     ("Change: 12 then Change: -4", -4),  # the last label wins
     ("变化：+2\n总之 change: -1", -1),
     ("Change:\n\n  +3", 3),
-    ("Change: none", None),
+    ("Change: none", 0),  # a worded no-change is a judgement of 0 (see the no-change test)
     ("No label here, +5", None),
     ("A small exchange +4", None),  # "change" inside a word is no label
     ("", None),
@@ -62,6 +62,53 @@ def test_parse_change_exact(text, expected):
   assert parse_change(text) == expected
 
 
+@pytest.mark.parametrize("text,expected", [
+    ("变化：下降3", -3),
+    ("变化：下降了 3 分", -3),
+    ("变化：减少2", -2),
+    ("变化：降低1", -1),
+    ("变化：减2", -2),
+    ("Change: minus 5", -5),
+    ("Change: down 4", -4),
+    ("Change: down by 4", -4),
+    ("Change: decrease of 2", -2),
+    ("Change: drop 3", -3),
+    ("**Change:** fell 6", -6),
+    ("Change: fall 1", -1),
+    ("Change: 3 points down", -3),
+    ("变化：3（下降）", -3),
+    ("变化：下降-3", -3),  # sign and word agree
+    ("变化：上升2", 2),
+    ("变化：增加了4分", 4),
+    ("变化：加3", 3),
+    ("Change: up 3", 3),
+    ("Change: plus 2", 2),
+    ("Change: increase 1", 1),
+    ("Change: rise 5", 5),
+])
+def test_parse_change_worded_direction(text, expected):
+  assert parse_change(text) == expected
+
+
+@pytest.mark.parametrize("text", [
+    "变化：下降+3", "Change: up -2", "Change: -3 points up", "变化：+2（下降）",  # sign vs word
+    "变化：情绪值从30升到35", "变化：从30到35", "Change: from 30 to 35", "Change: 30 to 35",
+    "Change: 30→35", "变化：30->35", "变化：30升到35", "Change: up to 35", "变化：升到35",
+    "Change: not sure\nI am 45", "Change:\nI am at 45 now", "Change: hard to say, +3",
+])
+def test_parse_change_unreadable_is_none(text):
+  assert parse_change(text) is None
+
+
+@pytest.mark.parametrize("text", [
+    "Change: none\nI am 45",  # a number on a later line is not the change
+    "Change: no change", "**Change:** unchanged.", "变化：无", "变化：无变化。", "变化：不变",
+    "变化：没有变化", "Change: 0\nEmotion: 45",
+])
+def test_parse_change_no_change_is_zero(text):
+  assert parse_change(text) == 0
+
+
 def test_parse_change_non_strings():
   for value in (None, 3, b"Change: +3", ["Change: +3"]):
     assert parse_change(value) is None
@@ -69,7 +116,8 @@ def test_parse_change_non_strings():
 
 def _random_text(rng: random.Random) -> str:
   pieces = ["Change", "change", "CHANGE", "变化", "变化：", "Change:", "**Change**:", "：", ":", "+", "-",
-            "−", "＋", "－", "﹣", "*", " ", "\n", "points", "分", "exchange", "变化值"]
+            "−", "＋", "－", "﹣", "*", " ", "\n", "points", "分", "exchange", "变化值", "下降", "up ",
+            "minus ", "减", "从", "到", "→", " to ", "none", "无变化", "（"]
   out = []
   for _ in range(rng.randint(0, 12)):
     roll = rng.random()
@@ -121,12 +169,18 @@ def test_apply_change_clips():
     ("plan...\n**Reply:** \"Fine, whatever.\"", "Fine, whatever."),
     ("规划：简短。\n回复：“嗯，好吧。”", "嗯，好吧。"),
     ("Reply: draft one\nReply: final one", "final one"),
-    ("  'Just a line'  ", "Just a line"),
-    ("No marker at all.", "No marker at all."),
-    ("Only the line.\nReply:", "Only the line."),
+    ("Reply:   'Just a line'  ", "Just a line"),
 ])
 def test_extract_reply(text, expected):
   assert extract_reply(text) == expected
+
+
+@pytest.mark.parametrize("text", [
+    "No marker at all.", "  'Just a line'  ",  # planning, or a model that skipped the format
+    "Plan: hide that I want an apology.\nReply:", "回复：  “”", "Reply: fine\nReply: **",
+])
+def test_extract_reply_without_a_usable_line_is_none(text):
+  assert extract_reply(text) is None
 
 
 # --- Emotion state machine against the scripted backend -----------------------------------------
@@ -392,36 +446,103 @@ def test_real_training_profiles_run_end_to_end(shared_dir):
     assert rec.termination in ("max_turns", "emotion_full", "goodbye")
 
 
-class CutOffBackend(ScriptedBackend):
-  """Scripted, except reply-step answers are marker-less planning; `cut` says they were cut off."""
+class NoReplyBackend(ScriptedBackend):
+  """Scripted, except that the first `bad` opening/reply answers of row 0 are planning without a
+  usable reply line (`mode`: "none" no marker, "empty" a marker with nothing after it); `cut`
+  marks them as stopped by the token limit."""
 
-  PLAN = "Plan: never reveal the hidden theme (I want them to admit I was right). Draft: well"
+  PLAN = "Plan: never reveal the hidden theme (I want them to admit I was right), then say goodbye."
 
-  def __init__(self, cut: bool):
+  def __init__(self, bad: int, mode: str = "none", cut: bool = False, kinds=("reply",)):
     super().__init__()
-    self.cut = cut
-    self.last_kind = {}
+    self.bad_left, self.mode, self.cut, self.kinds = bad, mode, cut, kinds
+    self.calls: list[list[tuple[int, str]]] = []
+    self.last_bad = False
 
   def generate(self, requests):
+    self.calls.append([(r.row, r.kind) for r in requests])
     out = super().generate(requests)
+    self.last_bad = False
     for i, r in enumerate(requests):
-      self.last_kind[r.row] = r.kind
-      if r.kind == "reply":
-        out[i] = self.PLAN
+      retry = r.kind == "reply_retry"
+      if r.row == 0 and (r.kind in self.kinds or retry) and self.bad_left > 0:
+        self.bad_left -= 1
+        self.last_bad = True
+        out[i] = self.PLAN + ("\nReply:" if self.mode == "empty" else "")
         self._histories[r.row][-1]["content"] = out[i]
     return out
 
   def truncated(self, row):
-    return self.cut and self.last_kind.get(row) == "reply"
+    return self.cut and row == 0 and self.last_bad
 
 
-@pytest.mark.parametrize("cut", [True, False])
-def test_planning_cut_off_before_the_reply_marker_never_reaches_the_policy(cut):
-  users = SimulatedUsers([_profile("deep_empathy")], CutOffBackend(cut), start_emotion=40, max_turns=5)
+@pytest.mark.parametrize("mode,cut", [("none", False), ("none", True), ("empty", False)])
+def test_a_reply_without_a_usable_line_is_asked_again(mode, cut):
+  backend = NoReplyBackend(bad=1, mode=mode, cut=cut)
+  users = SimulatedUsers([_profile("deep_empathy"), _profile("no_fault")], backend,
+                         start_emotion=40, max_turns=5)
+  users.opening()
+  results = users.step([0, 1], [EMPATHY, "It's not your fault."])
+  assert backend.calls[-2:] == [[(0, "reply"), (1, "reply")], [(0, "reply_retry")]]
+  rec = users.records[0]
+  assert results[0].user_reply == rec.replies[-1] == extract_reply(rec.messages[-1]["content"])
+  assert "hidden theme" not in results[0].user_reply
+  assert results[0].reply_failures == 1 and results[1].reply_failures == 0
+  assert rec.reply_failures == 1 and rec.silent_replies == 0 and not results[0].done
+  retry = [m for m in rec.messages if m["content"] == prompts.reply_retry_instruction("en")]
+  assert len(retry) == 1 and rec.messages[-2] == retry[0]
+  assert backend.history(0) == rec.messages  # the correction joined the append-only context
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+@pytest.mark.parametrize("mode,cut", [("none", False), ("none", True), ("empty", False)])
+def test_planning_never_reaches_the_policy(mode, cut, retries):
+  # The plan names the hidden theme and says "goodbye": neither may leak nor end the dialogue.
+  backend = NoReplyBackend(bad=100, mode=mode, cut=cut)
+  users = SimulatedUsers([_profile("deep_empathy")], backend, start_emotion=40, max_turns=5,
+                         max_parse_retries=retries)
   users.opening()
   result = users.step([0], [EMPATHY])[0]
-  if cut:  # the private plan stays private: the user says nothing this turn
-    assert result.user_reply == "..." and users.records[0].cut_replies == 1
-    assert all("hidden theme" not in line for line in users.records[0].replies)
-  else:  # a finished answer without a marker is taken as the reply itself (a model that skipped the format)
-    assert result.user_reply == CutOffBackend.PLAN and users.records[0].cut_replies == 0
+  rec = users.records[0]
+  assert result.user_reply == "..." and rec.replies[-1] == "..."
+  assert not result.done and rec.termination is None
+  assert rec.silent_replies == 1 and rec.reply_failures == result.reply_failures == retries + 1
+  assert sum(1 for call in backend.calls for _, kind in call if kind == "reply_retry") == retries
+  assert all("hidden theme" not in line for line in rec.replies)
+
+
+def test_opening_without_a_usable_line_is_asked_again_in_chinese():
+  backend = NoReplyBackend(bad=1, kinds=("opening",))
+  users = SimulatedUsers([_profile("no_fault", zh=True), _profile("no_fault", pid="p1", zh=True)],
+                         backend)
+  openings = users.opening()
+  assert backend.calls == [[(0, "opening"), (1, "opening")], [(0, "reply_retry")]]
+  assert openings[0] and "hidden theme" not in openings[0] and not openings[0].startswith("回复")
+  assert users.records[0].messages[-2]["content"] == prompts.reply_retry_instruction("zh")
+  assert users.records[0].reply_failures == 1 and users.records[0].silent_replies == 0
+
+
+def test_silent_chinese_opening_after_the_retries():
+  backend = NoReplyBackend(bad=100, kinds=("opening",))
+  users = SimulatedUsers([_profile("no_fault", zh=True)], backend, max_parse_retries=1)
+  assert users.opening() == ["……"]
+  assert users.records[0].silent_replies == 1 and users.records[0].reply_failures == 2
+
+
+def test_scripted_backend_answers_reply_retries_with_a_marker():
+  backend = ScriptedBackend()
+  backend.reset(1)
+  for language in ("en", "zh"):
+    profile = _profile("no_fault", zh=language == "zh")
+    for policy_reply in (None, "It's not your fault."):
+      request = SimRequest(row=0, new_messages=[{"role": "user", "content": "again"}],
+                           kind="reply_retry", profile=profile, language=language,
+                           policy_reply=policy_reply, emotion=40, state="B")
+      assert extract_reply(backend.generate([request])[0])
+
+
+def test_retry_texts_differ_by_language():
+  en, zh = prompts.reply_retry_instruction("en"), prompts.reply_retry_instruction("zh")
+  assert "Reply:" in en and "回复：" in zh and en != prompts.retry_instruction("en")
+  with pytest.raises(ValueError):
+    prompts.reply_retry_instruction("fr")

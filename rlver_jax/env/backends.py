@@ -26,7 +26,8 @@ from rlver_jax.env.profiles import Profile, intention_key, personality_key
 from rlver_jax.sharding import broadcast_bytes
 
 Message = dict[str, str]
-KINDS = ("opening", "emotion", "reply", "retry")
+# "retry" re-asks the emotion step, "reply_retry" the opening or reply step.
+KINDS = ("opening", "emotion", "reply", "retry", "reply_retry")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +112,9 @@ class ScriptedBackend(HistoryBackend):
 
   Emotion and retry steps score `policy_reply` against the profile's hidden intention and answer
   with labelled sections ending in `Change: +N` / `变化：+N`, so the real parser is exercised.
-  Reply steps answer with a templated line for the emotion state (a goodbye at S and F); the
-  opening is templated too. Answers are in `SimRequest.language`.
+  Reply steps and reply retries answer with a templated `Reply: ...` line for the emotion state (a
+  goodbye at S and F); the opening is templated too, so no run against it ever re-asks a reply.
+  Answers are in `SimRequest.language`.
   """
 
   def generate(self, requests: Sequence[SimRequest]) -> list[str]:
@@ -125,7 +127,8 @@ class ScriptedBackend(HistoryBackend):
   def _one(self, r: SimRequest) -> str:
     passive = personality_key(r.profile) == "passive"
     key = f"{r.profile.id}/{len(self._histories[r.row])}"
-    if r.kind == "opening":
+    # A reply retry before any policy reply re-asks the opening.
+    if r.kind == "opening" or r.kind == "reply_retry" and r.policy_reply is None:
       return scripted_rules.opening_text(r.language, key, passive)
     if r.kind in ("emotion", "retry"):
       score = scripted_rules.score_reply(r.policy_reply or "", intention_key(r.profile))

@@ -106,8 +106,14 @@ def parse_policy_output(text: str, think: bool) -> PolicyTurn:
 
 # --- Goodbye detection --------------------------------------------------------------------------
 
-# 再见 followed by 到/面/过 is "see (someone) again", not a farewell: 不想再见到他 / 再见面的时候.
-_ZH_GOODBYE = re.compile(r"再见(?![到面过])|拜拜")
+# 再见 is also "see again" (不想再见他, 再见到, 还能再见吗), so 再见/拜拜 only count at a clause end: after
+# optional particles (了, 啦, 吧, ~, ...) comes the end of the text or a mark that is no word
+# character and no question mark (punctuation, space, emoji).
+_ZH_GOODBYE = re.compile(r"(?:再见|拜拜)(?:[了啦咯喽哦噢喔呀啊吧哈嘛~～])*(?![\w?？])")
+# Negated, wished-for or reported: 不想再见了, 还能再见, 没来得及跟她说再见.
+_ZH_NOT_SAYING = re.compile(
+    r"(?:不想|不愿意?|不要|不会|不能|不用|不必|没有?|没能|没来得及|别|舍不得|还能|还会|能不能|会不会|希望|期待)"
+    r"(?:再也)?(?:[和跟与对同][你他她]们?)?[说道]?$")
 
 # Farewell words and phrases as whole words; ASCII-letter guards instead of \b so that "bye"
 # glued to Chinese text ("好的bye") still counts while "byes" / "bystander" do not.
@@ -129,6 +135,9 @@ _CLAUSE_END_AFTER = re.compile(
     r"^(?:\s*(?:[^\w\s]|$)|\s+(?:later|soon|tomorrow|around|again|then|next|another|"
     r"sometime|in\s+a\s+(?:bit|while)|on\s+\w+day)\b)", re.IGNORECASE)
 _NEEDS_CLAUSE_END = re.compile(r"^(?:see|take|talk)\b", re.IGNORECASE)
+# ... nor when negated or wished for: "I never want to see you again", "nice to see you", "won't
+# see you", "will I ever see you again?".
+_UNWILLING_BEFORE = re.compile(r"(?:\b(?:i|never|not|no|ever|to|wanna)|n['’]t)\s+$", re.IGNORECASE)
 
 
 def _is_english_farewell(text: str) -> bool:
@@ -137,20 +146,25 @@ def _is_english_farewell(text: str) -> bool:
     if _REPORTED_BEFORE.search(before) or _NOT_FAREWELL_AFTER.match(after):
       continue
     if _NEEDS_CLAUSE_END.match(m.group(0)):
-      if re.search(r"\bi\s+$", before, re.IGNORECASE) or not _CLAUSE_END_AFTER.match(after):
+      if _UNWILLING_BEFORE.search(before) or not _CLAUSE_END_AFTER.match(after):
         continue
     return True
   return False
 
 
+def _is_chinese_farewell(text: str) -> bool:
+  return any(not _ZH_NOT_SAYING.search(text[:m.start()]) for m in _ZH_GOODBYE.finditer(text))
+
+
 def says_goodbye(text: str, language: str) -> bool:
   """True when the simulated user's utterance takes leave of the conversation.
 
-  Chinese text matches 再见/拜拜 (and English farewells, which Chinese users also type); English
-  text matches whole-word farewells, skipping ones that are merely described.
+  Chinese text matches 再见/拜拜 ending a clause and not negated (and English farewells, which
+  Chinese users also type); English text matches whole-word farewells, skipping ones that are
+  merely described, negated or wished for.
   """
   if language == "zh":
-    return bool(_ZH_GOODBYE.search(text)) or _is_english_farewell(text)
+    return _is_chinese_farewell(text) or _is_english_farewell(text)
   if language == "en":
     return _is_english_farewell(text)
   raise ValueError(f"unsupported language {language!r}; expected 'en' or 'zh'")

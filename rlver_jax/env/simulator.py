@@ -8,7 +8,10 @@ is an append-only chat message list (see simulator_prompts for the texts):
   user (policy reply, emotion, emotion-step instruction) -> assistant (analysis, "Change: +N")
   [user (correction: redo the analysis) -> assistant]  at most `max_parse_retries` times
   user (new state, reply-step instruction) -> assistant (plan ... "Reply: <text>")
-Only the text after the last reply marker reaches the policy.
+  [user (correction: end with the reply line) -> assistant]  at most `max_parse_retries` times
+Only the text after the last reply marker reaches the policy. An answer without one (or with
+nothing after it) is re-asked like an unreadable change line; the text before a marker is private
+planning, so after the retries the user says nothing that turn (`_SILENT_REPLY`).
 
 Rows are dialogue ids fixed at construction; every call addresses rows by id, never by position
 among the live dialogues (the reference mixes up simulators once some dialogues end).
@@ -33,31 +36,86 @@ _CHANGE_LABEL = re.compile(
     r"(?:(?<![a-z])change(?![a-z])|变化(?:值|量|分数|分值)?)"
     r"[\s*_]*(?:[:：=]|(?=[+\-−－＋﹢﹣–]?\s*[0-9０-９]))",
     re.IGNORECASE)
-_SIGNED_INT = re.compile(r"([+\-−－＋﹢﹣–]?)\s*([0-9０-９]+)")
+_SIGNS = "+\\-−－＋﹢﹣–"
 _MINUS = "-−－﹣–"
 _FULLWIDTH_DIGITS = str.maketrans("０１２３４５６７８９", "0123456789")
+# Markdown, quotes and spaces a model may wrap around the value.
+_DECOR = " \t\u3000*_`\"'“”‘’「」"
+# Direction words. Single characters (升, 减, ...) only count right before the number: after it
+# they are too often part of another word (减轻 "eases" is good news).
+_UP = r"上升|增加|提高|提升|上涨|升高|(?:up|plus|increase[sd]?|increasing|rise[sn]?|rose|rising)(?![a-z])"
+_DOWN = (r"下降|减少|降低|下跌|(?:down|minus|decrease[sd]?|decreasing|drop(?:s|ped)?|"
+         r"fall(?:s|en)?|fell|falling)(?![a-z])")
+_WORD_BEFORE = re.compile(
+    rf"(?:(?P<up>{_UP}|升|加|涨)|(?P<down>{_DOWN}|降|减|跌))(?:\s{{0,3}}(?:by|of)(?![a-z])|了)?",
+    re.IGNORECASE)
+_NUMBER = re.compile(rf"([{_SIGNS}]?)\s{{0,3}}([0-9０-９]+)")
+_UNIT = r"(?:\s{0,3}(?:points?|pts?|分|点)(?![a-z]))?"
+_WORD_AFTER = re.compile(rf"{_UNIT}[\s(（]{{0,3}}(?:(?P<up>{_UP})|(?P<down>{_DOWN}))", re.IGNORECASE)
+# "30 to 35", "30→35", "30升到35": a before/after pair of emotion values, not a change.
+_RANGE_AFTER = re.compile(
+    rf"{_UNIT}\s{{0,3}}(?:(?:{_UP}|{_DOWN}|升|降)\s{{0,3}})?"
+    rf"(?:→|->|=>|⟶|~|～|[-–—]|to(?![a-z])|到|至|变为|变成)\s{{0,3}}[{_SIGNS}]?\s{{0,3}}[0-9０-９]",
+    re.IGNORECASE)
+# A worded "no change" filling the whole value: read as 0 (the model did give its judgement).
+_NO_CHANGE = re.compile(
+    r"(?:none|no\s+change|unchanged|nothing|zero|无|无变化|没有变化|没变化|没变|不变|保持不变|零)",
+    re.IGNORECASE)
+_TRAILING_PUNCT = " \t\u3000*_`\"'“”‘’「」.。!！,，;；()（）"
 _REPLY_LABEL = re.compile(r"(?:(?<![a-z])reply(?![a-z])|回复)[\s*_]*[:：][\s*_]*", re.IGNORECASE)
 _QUOTES = (('"', '"'), ("'", "'"), ("“", "”"), ("‘", "’"), ("「", "」"), ("『", "』"))
 
 
 def parse_change(text: object) -> int | None:
-  """First signed integer after the last change label, clamped to [-10, 10]; None if absent.
+  """The change stated after the last change label, clamped to [-10, 10]; None if unreadable.
 
-  Never raises: any input (including non-strings) gives an int or None.
+  Only the label's own line is read (or, when nothing follows the label there, the next non-blank
+  line), and the value must come first on it: an optional sign and/or direction word, then the
+  integer. Direction words mean + (上升/增加/up/plus/increase/rise, ...) or - (下降/减少/down/minus/
+  decrease/drop/fall, ...); they may also follow the number ("3 points down", "3（下降）"). A sign
+  that contradicts a direction word, a before/after pair ("30 to 35", "30→35", "从30到35") or any
+  other text first is None, so the driver asks again. A worded no-change filling the whole value
+  ("none", "no change", "无", "不变", ...) is 0. Never raises: any input gives an int or None.
   """
   if not isinstance(text, str):
     return None
   labels = list(_CHANGE_LABEL.finditer(text))
   if not labels:
     return None
-  number = _SIGNED_INT.search(text, labels[-1].end())
-  if number is None:
+  value = _value_line(text, labels[-1].end())
+  if _NO_CHANGE.fullmatch(value.strip(_TRAILING_PUNCT)):
+    return 0
+  return _read_amount(value.strip(_DECOR))
+
+
+def _value_line(text: str, start: int) -> str:
+  """The rest of the label's line, or the next non-blank line when that rest is empty."""
+  lines = text[start:].splitlines()
+  if not lines or lines[0].strip(_DECOR):
+    return lines[0] if lines else ""
+  return next((line for line in lines[1:] if line.strip(_DECOR)), "")
+
+
+def _read_amount(value: str) -> int | None:
+  """A signed and/or worded integer at the start of `value` (see `parse_change`)."""
+  directions = set()
+  word = _WORD_BEFORE.match(value)
+  if word:
+    directions.add(1 if word.group("up") else -1)
+    value = value[word.end():].lstrip(_DECOR)
+  number = _NUMBER.match(value)
+  if number is None or _RANGE_AFTER.match(value, number.end()):
     return None
-  digits = number.group(2).translate(_FULLWIDTH_DIGITS)
+  if number.group(1):
+    directions.add(-1 if number.group(1) in _MINUS else 1)
+  after = _WORD_AFTER.match(value, number.end())
+  if after:
+    directions.add(1 if after.group("up") else -1)
+  if len(directions) > 1:  # e.g. "下降+3": which one did the model mean?
+    return None
   # Long digit runs are far outside the clamp; cutting them keeps int() cheap and safe.
-  value = int(digits[:4])
-  if number.group(1) and number.group(1) in _MINUS:
-    value = -value
+  magnitude = int(number.group(2).translate(_FULLWIDTH_DIGITS)[:4])
+  value = -magnitude if directions == {-1} else magnitude
   return max(-MAX_CHANGE, min(MAX_CHANGE, value))
 
 
@@ -87,23 +145,18 @@ def _strip_quotes(text: str) -> str:
   return text
 
 
-# What a user "says" when the simulator's answer was cut off before its reply marker: the text
-# before the marker is private planning (it may name the hidden theme) and must not reach the policy.
+# What a user "says" when the simulator gave no usable reply line even after the retries: the text
+# before a marker is private planning (it may name the hidden theme) and must not reach the policy.
 _SILENT_REPLY = {"en": "...", "zh": "……"}
 
 
-def has_reply_marker(text: str) -> bool:
-  return _REPLY_LABEL.search(text) is not None
-
-
-def extract_reply(text: str) -> str:
-  """The text after the last reply marker (the whole text if none), stripped of quotes."""
+def extract_reply(text: str) -> str | None:
+  """The text after the last reply marker, stripped of quotes; None when there is no marker or
+  nothing follows the last one. Text before a marker is never used: it is the user's planning."""
   markers = list(_REPLY_LABEL.finditer(text))
   if not markers:
-    return _strip_quotes(text)
-  after = _strip_quotes(text[markers[-1].end():])
-  # A marker with nothing after it: fall back to what came before rather than an empty reply.
-  return after or _strip_quotes(text[:markers[-1].start()])
+    return None
+  return _strip_quotes(text[markers[-1].end():]) or None
 
 
 @dataclasses.dataclass
@@ -124,7 +177,8 @@ class UserState:
   replies: list[str] = dataclasses.field(default_factory=list)
   policy_replies: list[str] = dataclasses.field(default_factory=list)
   parse_failures: int = 0
-  cut_replies: int = 0  # answers cut off before their reply marker (replaced by a silent reply)
+  reply_failures: int = 0  # opening/reply answers without a usable reply line (retried ones too)
+  silent_replies: int = 0  # user lines replaced by the silent reply: no usable reply after the retries
   termination: str | None = None
   messages: list[Message] = dataclasses.field(default_factory=list)
   sent: int = 0  # how many of `messages` the backend has already been given
@@ -185,6 +239,7 @@ class TurnResult:
   done: bool
   termination: str | None
   parse_failures: int  # unparsable analyses during this turn
+  reply_failures: int = 0  # answers without a usable reply line during this turn
 
 
 class SimulatedUsers:
@@ -249,9 +304,10 @@ class SimulatedUsers:
         rec.replies.append(rec.profile.first_talk)
       else:
         to_generate.append(rec)
-    texts = self._generate(to_generate, "opening")
-    for rec, text in zip(to_generate, texts):
-      rec.replies.append(self._reply_from(rec, text))
+    lines, _ = self._speak(to_generate, "opening")
+    for rec in to_generate:
+      # A context already full gets the silent line here; its first step ends it (context_full).
+      rec.replies.append(lines[rec.row] or self._silent(rec))
     return [rec.replies[0] for rec in self.records]
 
   def step(self, rows: Sequence[int], policy_replies: Sequence[str]) -> list[TurnResult]:
@@ -272,13 +328,13 @@ class SimulatedUsers:
     for rec in speaking:
       rec.messages.append({"role": "user", "content": prompts.reply_instruction(
           rec.emotion, rec.state, rec.language, self._passive(rec))})
-    texts = self._generate(speaking, "reply")
+    lines, reply_failures = self._speak(speaking, "reply")
     user_replies: dict[int, str] = {}
-    for rec, text in zip(speaking, texts):
+    for rec in speaking:
       if self._full(rec.row):  # no room for the reply: end without one
         rec.termination = rec.termination or "context_full"
         continue
-      reply = self._reply_from(rec, text)
+      reply = lines[rec.row] or self._silent(rec)
       rec.replies.append(reply)
       user_replies[rec.row] = reply
       if rec.termination is None and says_goodbye(reply, rec.language):
@@ -287,7 +343,8 @@ class SimulatedUsers:
         TurnResult(row=rec.row, turn=rec.turns, change=rec.changes[-1], parsed=rec.parsed[-1],
                    emotion=rec.emotion, state=rec.state, reasoning=rec.reasoning[-1],
                    user_reply=user_replies.get(rec.row), done=rec.done,
-                   termination=rec.termination, parse_failures=failures[rec.row])
+                   termination=rec.termination, parse_failures=failures[rec.row],
+                   reply_failures=reply_failures.get(rec.row, 0))
         for rec in recs
     ]
 
@@ -314,14 +371,38 @@ class SimulatedUsers:
       pending, kind = failed, "retry"
     return changes, failures, analyses
 
-  def _reply_from(self, rec: UserState, text: str) -> str:
-    """The line the policy sees. A whole answer without a marker is taken as the reply itself; one
-    cut off before its marker is planning, so the user stays silent instead."""
-    truncated = getattr(self.backend, "truncated", None)
-    if not has_reply_marker(text) and truncated is not None and truncated(rec.row):
-      rec.cut_replies += 1
-      return _SILENT_REPLY.get(rec.language, _SILENT_REPLY["en"])
-    return extract_reply(text)
+  def _speak(self, recs: list[UserState], kind: str):
+    """Generates user lines, re-asking only the rows whose answer had no usable reply line.
+
+    Returns the lines by row (None: still none after `max_parse_retries` retries, or the context
+    is full) and the failures per row. A truncated answer is treated like any other: if it holds a
+    reply marker the (possibly cut) line after it is used, else the row is asked again.
+    """
+    lines: dict[int, str | None] = {}
+    failures = {rec.row: 0 for rec in recs}
+    pending = recs
+    for attempt in range(self.max_parse_retries + 1):
+      texts = self._generate(pending, kind)
+      failed = []
+      for rec, text in zip(pending, texts):
+        lines[rec.row] = extract_reply(text)
+        if lines[rec.row] is None and not self._full(rec.row):  # full: nothing to retry
+          failures[rec.row] += 1
+          rec.reply_failures += 1
+          failed.append(rec)
+      if not failed or attempt == self.max_parse_retries:
+        break
+      for rec in failed:
+        rec.messages.append({"role": "user",
+                             "content": prompts.reply_retry_instruction(rec.language)})
+      pending, kind = failed, "reply_retry"
+    return lines, failures
+
+  def _silent(self, rec: UserState) -> str:
+    """The line shown in place of a reply that never came (counted unless the context is full)."""
+    if not self._full(rec.row):
+      rec.silent_replies += 1
+    return _SILENT_REPLY.get(rec.language, _SILENT_REPLY["en"])
 
   def _full(self, row: int) -> bool:
     is_full = getattr(self.backend, "is_full", None)  # optional for backends without a context bound

@@ -170,6 +170,19 @@ def retry_instruction(language: str) -> str:
           f"+10, e.g. \"{label}: +3\".")
 
 
+def reply_retry_instruction(language: str) -> str:
+  """Sent after an opening or reply answer that held no usable reply line."""
+  _check(language)
+  label = REPLY_LABEL[language]
+  if language == "zh":
+    return (f"上面的回答里找不到要说给对方听的那句话。请重新回答：规划写得简短些，最后单独一行以“{label}：”开头，"
+            "后面紧接着写出你真正要对对方说的话，不能空着；对方只会看到这一行。")
+  return ("Your answer above had no line for the other side to read. Answer again: keep any "
+          f"planning short, and finish with one line that starts with \"{label}:\" and is followed "
+          "by the words you actually say to them; it must not be empty. Only that line reaches "
+          "them.")
+
+
 def reply_instruction(emotion: int, state: str, language: str, passive: bool) -> str:
   """The reply step: plan, draft, rewrite, then output only the final reply after the marker."""
   _check(language)

@@ -71,7 +71,7 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.simulator.top_k = 0
   c.simulator.start_emotion = 30
   c.simulator.max_turns = 8
-  c.simulator.max_parse_retries = 2
+  c.simulator.max_parse_retries = 2  # re-asks of an unreadable change line and of a missing reply line
   c.simulator.http_base_url = ""
   c.simulator.http_model = ""
   c.simulator.http_api_key_env = "OPENAI_API_KEY"

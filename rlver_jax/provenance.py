@@ -34,6 +34,7 @@ def rendered_prompts(think: bool, style: str) -> dict[str, str]:
       out[f"reply/{lang}/{passive}"] = sim_prompts.reply_instruction(50, "B", lang, passive)
     out[f"emotion/{lang}"] = sim_prompts.emotion_instruction("<policy reply>", 50, lang, style)
     out[f"retry/{lang}"] = sim_prompts.retry_instruction(lang)
+    out[f"reply_retry/{lang}"] = sim_prompts.reply_retry_instruction(lang)
   return out
 
 

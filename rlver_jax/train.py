@@ -251,6 +251,7 @@ def summarize_rollout(dialogues: list[Dialogue]) -> dict[str, float]:
          "final_emotion_mean": s["score"], "success_rate": s["success_rate"],
          "failure_rate": s["failure_rate"], "positive_rate": s["positive_rate"],
          "turns_mean": s["mean_turns"], "parse_failures": float(s["parse_failures"]),
+         "reply_failures": float(s["reply_failures"]), "silent_replies": float(s["silent_replies"]),
          "format_violation_rate": float(np.mean([not all(d.format_ok) for d in dialogues]))}
   for reason, n in s["terminations"].items():
     out[f"termination/{reason}"] = n / len(dialogues)

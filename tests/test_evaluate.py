@@ -97,6 +97,7 @@ def test_summary_agrees_with_transcripts(world, tmp_path, start_emotion):
   replies = [sum(t["policy"] is not None for t in tr["turns"]) for tr in transcripts]
   assert summary["mean_turns"] == pytest.approx(np.mean(replies))
   assert summary["parse_failures"] == 0  # the scripted simulator always writes a change line
+  assert summary["reply_failures"] == summary["silent_replies"] == 0  # ... and a reply line
   assert sum(summary["terminations"].values()) == len(transcripts)
   assert summary["terminations"] == {k: sum(t["termination"] == k for t in transcripts)
                                      for k in summary["terminations"]}

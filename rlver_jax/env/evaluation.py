@@ -28,7 +28,8 @@ def summarize(dialogues: Sequence[Dialogue]) -> dict:
   finals = np.array([d.final_emotion for d in dialogues], np.float64)
   out = _rates(finals)
   out["mean_turns"] = float(np.mean([len(d.policy_replies) for d in dialogues]))
-  out["parse_failures"] = int(sum(d.parse_failures for d in dialogues))
+  for key in ("parse_failures", "reply_failures", "silent_replies"):
+    out[key] = int(sum(getattr(d, key) for d in dialogues))
   out["terminations"] = dict(collections.Counter(d.termination for d in dialogues))
   for name, fn in (("by_task", intention_key), ("by_main_cha", personality_key)):
     groups = collections.defaultdict(list)

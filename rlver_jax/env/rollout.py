@@ -77,6 +77,8 @@ class Dialogue:
   termination: str
   parse_failures: int
   reward: float
+  reply_failures: int = 0  # simulator answers without a usable reply line (each retry counted)
+  silent_replies: int = 0  # user lines shown as silence: still no reply line after the retries
 
   @property
   def final_emotion(self) -> int:
@@ -227,4 +229,5 @@ def _finish(b: int, row: _Row, profile: Profile, group_id: int, users: Simulated
       policy_replies=row.replies, policy_thoughts=row.thoughts, format_ok=row.format_ok,
       user_lines=list(rec.replies), emotions=list(rec.emotions), changes=list(rec.changes),
       reasoning=list(rec.reasoning), termination=rec.termination or "unknown",
-      parse_failures=rec.parse_failures, reward=reward)
+      parse_failures=rec.parse_failures, reward=reward, reply_failures=rec.reply_failures,
+      silent_replies=rec.silent_replies)

@@ -94,3 +94,24 @@ def test_token_values_align_with_states():
   vals = token_values(critic, tokens, jnp.ones_like(tokens))
   direct = critic(tokens)  # value of the state ending at each token
   np.testing.assert_allclose(np.asarray(vals[0, 1:]), np.asarray(direct[0, :-1]), atol=1e-6)
+
+
+def test_metrics_weight_micro_batches_by_their_tokens():
+  # Micro-batches with few or no policy tokens (padding rows) must not pull the per-token metrics
+  # towards their own values: 4 uneven micro-batches, the last all padding, equal one batch.
+  model = create_model(CFG, dtype=jnp.float32, seed=1)
+  rng = np.random.RandomState(0)
+  batch = _batch(rng, B=8)
+  batch["old_logp"] = batch["old_logp"] + 3.0 - rng.rand(8, 12).astype(np.float32)  # ratios != 1
+  for k in ("segment_ids", "loss_mask"):
+    batch[k][6:] = 0  # rows 6 and 7 are padding
+  batch["loss_mask"][5, 5:] = 0  # row 5 keeps one policy token
+  outs = []
+  for m in (1, 4):
+    up = Updater(model, optax.sgd(0.0), "policy", LossConfig(clip_low=0.2, clip_high=0.2))
+    params = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+    outs.append(up.step(params, up.init(params), _split(batch, m))[2])
+  one, many = outs
+  for k in ("ratio_mean", "clip_frac", "approx_kl", "ratio_max", "ratio_min", "loss"):
+    np.testing.assert_allclose(float(many[k]), float(one[k]), rtol=1e-5, err_msg=k)
+  assert float(one["clip_frac"]) > 0  # the ratios are far enough from 1 to clip

@@ -160,10 +160,16 @@ class Updater:
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, opt_state = self.optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    # Loss terms are already weighted over the whole mini-batch: sum them; average the ratios.
+    # Loss terms are already weighted over the whole mini-batch: sum them. The other metrics are
+    # per-token means of each micro-batch: weight them by its token count, so a short or all-padding
+    # micro-batch does not count as much as a full one.
     summed = {"loss", "pg_loss", "entropy", "kl_loss", "vf_loss"}
-    metrics = {k: (v.sum() if k in summed else v.mean()) for k, v in per_mb.items()}
+    counts = (batch["loss_mask"] > 0).sum(axis=(1, 2)).astype(_F32)
+    per_token = lambda v: (v * counts).sum() / jnp.maximum(counts.sum(), 1.0)
+    metrics = {k: (v.sum() if k in summed else per_token(v)) for k, v in per_mb.items()}
     if "ratio_max" in metrics:
-      metrics["ratio_max"], metrics["ratio_min"] = per_mb["ratio_max"].max(), per_mb["ratio_min"].min()
+      has, any_tok = counts > 0, counts.sum() > 0
+      metrics["ratio_max"] = jnp.where(any_tok, jnp.where(has, per_mb["ratio_max"], -jnp.inf).max(), 1.0)
+      metrics["ratio_min"] = jnp.where(any_tok, jnp.where(has, per_mb["ratio_min"], jnp.inf).min(), 1.0)
     metrics["grad_norm"] = optax.tree.norm(grads)
     return params, opt_state, metrics

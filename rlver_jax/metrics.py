@@ -5,9 +5,11 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 from typing import Any
 
 import jax
+from absl import logging
 from etils import epath
 
 
@@ -34,23 +36,54 @@ class MetricsWriter:
         self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
 
   def history(self) -> list[dict]:
-    """The metrics lines already written (a resumed run appends after them)."""
+    """The metrics lines already written (a resumed run appends after them).
+
+    A last line cut short (a run killed mid-write by an older version, which wrote in place) is
+    dropped; an unreadable line before it is an error naming the file and line.
+    """
     if not self.path.exists():
       return []
-    return [json.loads(l) for l in self.path.read_text().splitlines() if l.strip()]
+    lines = [l for l in self.path.read_text().splitlines() if l.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError as e:
+        if i == len(lines) - 1:
+          logging.warning("%s: dropping a cut-off last line (%s)", self.path, e)
+          break
+        raise ValueError(f"{self.path}:{i + 1}: not a JSON metrics line ({e})") from None
+    return rows
 
-  def write(self, step: int, metrics: dict[str, Any]) -> None:
+  def write(self, step: int, metrics: dict[str, Any], *, merge: bool = False) -> None:
+    """Writes `step`'s row, dropping rows of later steps (a resumed run redoes them); with `merge`
+    the metrics are added to the row already written for `step`."""
     if not self.enabled:
       return
-    row = {"step": step, **{k: _scalar(v) for k, v in sorted(metrics.items())}}
-    # Rewritten whole so a gs:// workdir (no append) works the same as a local one.
-    lines = [json.dumps(r) for r in self.history() if r.get("step", 0) < step] + [json.dumps(row)]
-    self.path.write_text("\n".join(lines) + "\n")
+    rows = self.history()
+    new = {k: _scalar(v) for k, v in metrics.items()}
+    if merge:
+      new = {**next((r for r in rows if r.get("step") == step), {}), **new}
+    row = {"step": step, **{k: v for k, v in sorted(new.items()) if k != "step"}}
+    lines = [json.dumps(r) for r in rows if r.get("step", 0) < step] + [json.dumps(row)]
+    self._replace(self.path, "\n".join(lines) + "\n")
     if self._tb is not None:
-      for k, v in row.items():
-        if k != "step" and isinstance(v, float):
+      for k, v in metrics.items():
+        v = _scalar(v)
+        if isinstance(v, float):
           self._tb.add_scalar(k, v, step)
       self._tb.flush()
+
+  @staticmethod
+  def _replace(path: epath.Path, text: str) -> None:
+    """Writes the whole file so that a kill mid-write leaves the old one: a renamed temp file
+    locally; a gs:// object is replaced in one upload anyway."""
+    if str(path).startswith("gs://"):
+      path.write_text(text)
+      return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
   def write_transcripts(self, step: int, transcripts: list[dict]) -> epath.Path | None:
     if not self.enabled:

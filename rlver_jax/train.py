@@ -29,6 +29,7 @@ from rlver_jax.rl.losses import kl_penalty
 from rlver_jax.rl.update import Updater, make_optimizer, token_logprobs_and_entropy, token_values
 from rlver_jax.run_config import check_workdir_config, write_workdir_config
 from rlver_jax.sharding import DEFAULT_RULES, batch_shards, global_array, host_array
+from rlver_jax.train_checks import check_training_config
 
 SEQ_MULTIPLE = 64  # packed lengths are rounded up to this, so few update programs are compiled
 
@@ -73,7 +74,7 @@ class Trainer:
   def __init__(self, config: ml_collections.ConfigDict, workdir: str):
     self.config = config
     self.workdir = workdir
-    build.check_algo(config)
+    check_training_config(config)
     check_workdir_config(config, workdir)
     start = provenance.check(config, workdir)
     self.mesh = build.mesh_from(config)
@@ -220,7 +221,8 @@ class Trainer:
           m = {**m, **{f"critic/{k}": v for k, v in mv.items()}}
         for k, v in m.items():
           metrics.setdefault(k, []).append(float(v))
-    return {k: float(np.mean(v)) for k, v in metrics.items()}
+    reduce = {"ratio_max": np.max, "ratio_min": np.min}
+    return {k: float(reduce.get(k, np.mean)(v)) for k, v in metrics.items()}
 
   def train_step(self) -> dict[str, float]:
     rng = jax.random.fold_in(jax.random.wrap_key_data(self.state["rng"]), self.step)
@@ -272,9 +274,7 @@ def _reseed_simulator(backend, rng) -> None:
 def evaluate_holdout(trainer: Trainer, rng) -> dict:
   """The current policy on the held-out profiles, with the evaluation start emotion and turn limit."""
   c = trainer.config
-  profiles = trainer.holdout[: c.eval.num_profiles]
-  if not profiles:
-    return {}
+  profiles = trainer.holdout[: c.eval.num_profiles or None]  # 0 = all, as in the eval config
   _reseed_simulator(trainer.backend, rng)
   users = SimulatedUsers(profiles, trainer.backend, style=c.simulator.style,
                          start_emotion=c.eval.start_emotion, max_turns=c.eval.max_turns,
@@ -295,25 +295,32 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
   total = config.total_steps
   bar = tqdm(total=total, initial=trainer.step, desc="rlver", disable=not config.log.progress_bar
              or jax.process_index() != 0)
-  with PreemptionGuard() as guard:
-    while trainer.step < total:
-      metrics = trainer.train_step()
-      step = trainer.step
-      if config.eval.every_steps and step % config.eval.every_steps == 0:
-        metrics.update(evaluate_holdout(trainer, jax.random.key(config.seed + 7)))
-      trainer.writer.write(step, metrics)
-      if config.log.transcripts_every and step % config.log.transcripts_every == 0:
-        trainer.writer.write_transcripts(step, [d.transcript() for d in trainer._last_dialogues])
-      bar.update(1)
-      bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", emotion=f"{metrics['final_emotion_mean']:.1f}")
-      preempted = guard.agreed()
-      if trainer.checkpointer.should_save(step, total) or preempted:
-        trainer.save()
-      if preempted:
-        logging.warning("SIGTERM: saved step %d, exiting", step)
-        break
-  bar.close()
-  trainer.checkpointer.close()
+  # finally: an error mid-run still completes the checkpoint saves already started (they are async).
+  try:
+    with PreemptionGuard() as guard:
+      while trainer.step < total:
+        metrics = trainer.train_step()
+        step = trainer.step
+        trainer.writer.write(step, metrics)
+        if config.log.transcripts_every and step % config.log.transcripts_every == 0:
+          trainer.writer.write_transcripts(step, [d.transcript() for d in trainer._last_dialogues])
+        preempted = guard.agreed()
+        # Saved before the held-out evaluation: an evaluation that fails (e.g. its simulator server
+        # is down) must not cost the step, and a preempted run has no time for one.
+        if trainer.checkpointer.should_save(step, total) or preempted:
+          trainer.save()
+        if preempted:
+          logging.warning("SIGTERM: saved step %d, exiting", step)
+          break
+        if config.eval.every_steps and step % config.eval.every_steps == 0:
+          trainer.writer.write(step, evaluate_holdout(trainer, jax.random.key(config.seed + 7)),
+                               merge=True)
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
+                        emotion=f"{metrics['final_emotion_mean']:.1f}")
+  finally:
+    bar.close()
+    trainer.checkpointer.close()
   plot = trainer.writer.plot_rewards()
   trainer.writer.close()
   return {"metrics": str(trainer.writer.path), "checkpoints": str(trainer.checkpointer.directory),

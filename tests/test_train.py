@@ -3,6 +3,7 @@ SIGTERM leaves a restorable checkpoint, and bad inputs fail with one clear line.
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -104,6 +105,43 @@ def test_a_failed_start_leaves_the_workdir_usable(world, tmp_path):
   assert not (tmp_path / "config.json").exists()
   train.Trainer(_config(world, "grpo", total_steps=1), str(tmp_path))  # the corrected command runs
   assert (tmp_path / "config.json").exists()
+
+
+@pytest.mark.parametrize("key,value", [
+    ("rl.loss_agg", "token_mean"), ("rl.kl_kind", "k4"), ("rl.mini_batches", 0), ("rl.epochs", 0),
+    ("rl.micro_batch_size", 0), ("eval.max_turns", 0), ("eval.temperature", -1.0),
+    ("data.num_holdout", 0), ("simulator.style", "grumpy"), ("simulator.start_emotion", 120)])
+def test_settings_used_late_are_checked_at_start(world, tmp_path, key, value):
+  # These used to fail at the first update or evaluation (after a rollout), leaving a config.json
+  # that then refused the corrected command; rl.epochs=0 trained nothing without a word.
+  evaluating = {"eval.every_steps": 1, "data.num_holdout": 1, "eval.num_profiles": 0}
+  bad = _config(world, "grpo", total_steps=1, **{**evaluating, key: value})
+  with pytest.raises(ValueError, match=re.escape(f"config.{key}=")):
+    train.Trainer(bad, str(tmp_path))
+  assert not (tmp_path / "config.json").exists()
+
+
+def test_a_failing_evaluation_keeps_the_steps_checkpoint(world, tmp_path, monkeypatch):
+  def down(*_):
+    raise ConnectionError("simulator server down")
+  monkeypatch.setattr(train, "evaluate_holdout", down)
+  config = _config(world, "grpo", total_steps=2, **{"eval.every_steps": 1, "checkpoint.every_steps": 1,
+                                                    "data.num_holdout": 1, "eval.num_profiles": 0})
+  with pytest.raises(ConnectionError):
+    train.run(config, str(tmp_path))
+  ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=3)
+  assert ckpt.latest_step() == 1  # saved before the evaluation failed
+  ckpt.close()
+  assert [m["step"] for m in _metrics(tmp_path)] == [1]
+
+
+def test_evaluation_metrics_join_their_steps_row(world, tmp_path):
+  config = _config(world, "grpo", total_steps=2, **{"eval.every_steps": 2, "data.num_holdout": 1,
+                                                    "eval.num_profiles": 1, "eval.max_turns": 1})
+  train.run(config, str(tmp_path))
+  rows = _metrics(tmp_path)
+  assert [r["step"] for r in rows] == [1, 2]
+  assert "eval/score" not in rows[0] and "eval/score" in rows[1] and "reward_mean" in rows[1]
 
 
 def _main(args, **kw):

@@ -1,0 +1,56 @@
+"""Every training setting that is only used late in a run (at the first update, the first held-out
+evaluation), checked before anything is loaded or written: a typo must not surface after an hour
+of rollouts, nor leave a config.json behind that then refuses the corrected command."""
+from __future__ import annotations
+
+import math
+
+from rlver_jax import build
+from rlver_jax.env import simulator_prompts
+from rlver_jax.rl import losses
+
+
+def _sampling(section) -> list[tuple]:
+  t, p, k = section.temperature, section.top_p, section.top_k
+  return [("temperature", t, math.isfinite(t) and t >= 0, ">= 0 (0 = greedy)"),
+          ("top_p", p, 0 < p <= 1, "in (0, 1]"), ("top_k", k, k >= 0, ">= 0 (0 = off)")]
+
+
+def check_training_config(config) -> None:
+  """Raises build.ConfigError naming the first bad key."""
+  build.check_algo(config)
+  r, s, e = config.rl, config.simulator, config.eval
+  evaluating = e.every_steps > 0
+  checks = [
+      ("total_steps", config.total_steps, config.total_steps >= 0, ">= 0"),
+      ("rl.profiles_per_step", r.profiles_per_step, r.profiles_per_step >= 1, ">= 1"),
+      ("rl.group_size", r.group_size, r.group_size >= 1, ">= 1"),
+      ("rl.epochs", r.epochs, r.epochs >= 1, ">= 1"),
+      ("rl.mini_batches", r.mini_batches, r.mini_batches >= 1, ">= 1"),
+      ("rl.micro_batch_size", r.micro_batch_size, r.micro_batch_size >= 1, ">= 1"),
+      ("rl.loss_agg", r.loss_agg, r.loss_agg in losses.AGG_MODES, f"one of {losses.AGG_MODES}"),
+      ("rl.kl_kind", r.kl_kind, r.kl_kind in losses.KL_KINDS, f"one of {losses.KL_KINDS}"),
+      ("rl.dual_clip", r.dual_clip, r.dual_clip == 0 or r.dual_clip > 1, "0 (off) or > 1"),
+      ("rl.tis_cap", r.tis_cap, r.tis_cap >= 0, ">= 0 (0 = off)"),
+      ("simulator.style", s.style, s.style in simulator_prompts.STYLES,
+       f"one of {simulator_prompts.STYLES}"),
+      ("simulator.max_turns", s.max_turns, s.max_turns >= 1, ">= 1"),
+      ("simulator.max_parse_retries", s.max_parse_retries, s.max_parse_retries >= 0, ">= 0"),
+      ("simulator.start_emotion", s.start_emotion, 0 <= s.start_emotion <= 100, "in [0, 100]"),
+      ("checkpoint.every_steps", config.checkpoint.every_steps, config.checkpoint.every_steps >= 0,
+       ">= 0 (0 = at the end and on preemption only)"),
+      ("checkpoint.keep", config.checkpoint.keep, config.checkpoint.keep >= 1, ">= 1"),
+      ("eval.every_steps", e.every_steps, e.every_steps >= 0, ">= 0 (0 = never)"),
+  ] + [(f"policy.{k}", *rest) for k, *rest in _sampling(config.policy)]
+  if evaluating:
+    checks += [
+        ("data.num_holdout", config.data.num_holdout, config.data.num_holdout >= 1,
+         ">= 1 when eval.every_steps > 0 (the evaluation runs on the held-out profiles)"),
+        ("eval.num_profiles", e.num_profiles, 0 <= e.num_profiles <= config.data.num_holdout,
+         f"in [0, data.num_holdout={config.data.num_holdout}] (0 = all held-out profiles)"),
+        ("eval.max_turns", e.max_turns, e.max_turns >= 1, ">= 1"),
+        ("eval.start_emotion", e.start_emotion, 0 <= e.start_emotion <= 100, "in [0, 100]"),
+    ] + [(f"eval.{k}", *rest) for k, *rest in _sampling(e)]
+  for key, value, ok, need in checks:
+    if not ok:
+      raise build.ConfigError(f"config.{key}={value!r}: must be {need}")

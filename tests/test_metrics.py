@@ -1,0 +1,39 @@
+"""metrics.jsonl: one row per step, later rows dropped on a resume, evaluation merged into its row,
+and a file cut off by a kill does not block the run."""
+import json
+
+import pytest
+
+from rlver_jax.metrics import MetricsWriter
+
+
+def _rows(path):
+  return [json.loads(l) for l in path.read_text().splitlines()]
+
+
+def test_rows_resume_and_merge(tmp_path):
+  w = MetricsWriter(str(tmp_path), tensorboard=False)
+  for step in (1, 2, 3):
+    w.write(step, {"reward_mean": step / 10})
+  w.write(2, {"reward_mean": 0.5})  # a resumed run redoes step 2: step 3's row goes
+  w.write(2, {"eval/score": 40.0}, merge=True)
+  assert _rows(w.path) == [{"step": 1, "reward_mean": 0.1},
+                           {"step": 2, "eval/score": 40.0, "reward_mean": 0.5}]
+  assert not list(tmp_path.glob("*.tmp"))  # written through a renamed temp file
+
+
+def test_a_cut_off_last_line_is_dropped(tmp_path):
+  w = MetricsWriter(str(tmp_path), tensorboard=False)
+  w.write(1, {"reward_mean": 0.1})
+  with open(w.path, "a") as f:
+    f.write('{"step": 2, "reward_me')  # killed mid-write (an in-place writer)
+  w.write(2, {"reward_mean": 0.2})
+  assert [r["step"] for r in _rows(w.path)] == [1, 2]
+
+
+def test_a_broken_line_inside_the_file_names_it(tmp_path):
+  w = MetricsWriter(str(tmp_path), tensorboard=False)
+  w.path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+  with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON metrics line"):
+    w.write(4, {"reward_mean": 0.1})
+  assert w.path.read_text() == '{"step": 1}\nnot json\n{"step": 3}\n'  # left as it was

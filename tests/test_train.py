@@ -223,3 +223,24 @@ def test_checkpointer_takes_a_relative_workdir(tmp_path, monkeypatch):
   ckpt.close()
   np.testing.assert_array_equal(restored["w"], state["w"])
   assert meta["step"] == 1 and (tmp_path / "runs" / "x" / "checkpoints" / "1").is_dir()
+
+
+def test_packed_shapes_come_from_few_buckets():
+  # Each new packed shape recompiles the update, log-prob and value programs (minutes at 7B): think
+  # mode varies the number of samples per step and every step its longest sample.
+  from types import SimpleNamespace
+  from rlver_jax.env.rollout import Sample
+  rng = np.random.default_rng(0)
+  shapes = set()
+  for _ in range(200):
+    n, longest = int(rng.integers(1, 200)), int(rng.integers(1, 8193))
+    lengths = [longest] + list(rng.integers(1, longest + 1, size=n - 1))
+    samples = [Sample(0, [7] * L, [0] + [1] * (L - 1), [-1.0] * L, [L - 1]) for L in lengths]
+    p = train.pack([SimpleNamespace(samples=samples)], rows_multiple=8, pad_id=0)
+    N, T = p.tokens.shape
+    assert n <= N < 1.5 * max(n, 8) + 8 and N % 8 == 0
+    assert longest <= T < 1.5 * max(longest, 64) + 64 and T % 64 == 0
+    assert p.num_real == n and p.loss_mask[n:].sum() == 0 and (p.dialogue[n:] == -1).all()
+    shapes.add((N, T))
+  Ns, Ts = {s[0] for s in shapes}, {s[1] for s in shapes}
+  assert len(Ns) <= 10 and len(Ts) <= 14, (sorted(Ns), sorted(Ts))  # vs 25 x 128 rounded shapes

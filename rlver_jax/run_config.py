@@ -10,6 +10,7 @@ import re
 import sys
 
 import jax
+import numpy as np
 import ml_collections
 from etils import epath
 
@@ -43,6 +44,35 @@ def check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> Non
       raise ConfigConflictError(
           f"{path}: config.{k} was {old.get(k)!r} in this workdir, now {new.get(k)!r} "
           f"({len(changed)} conflicting key(s): {', '.join(changed[:5])}); use a new --workdir")
+
+
+def check_shared_workdir(workdir: str) -> None:
+  """With several processes, fails on every host unless all of them see the same `workdir`.
+
+  A local path on a pod is usually each host's own disk: orbax would scatter one checkpoint over
+  them (unrestorable) and only host 0 would have the config and metrics. Process 0 writes a marker
+  with a token it broadcasts; every host must read that token back. gs:// is shared by design.
+  """
+  if jax.process_count() == 1 or str(workdir).startswith("gs://"):
+    return
+  import secrets
+  from jax.experimental import multihost_utils
+  from rlver_jax.sharding import broadcast_bytes
+  token = broadcast_bytes(secrets.token_hex(8).encode() if jax.process_index() == 0 else None)
+  marker = epath.Path(workdir) / f".shared-check-{token.decode()}"
+  if jax.process_index() == 0:
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_bytes(token)
+  multihost_utils.sync_global_devices("rlver_jax:shared_workdir_written")
+  seen = np.int32(marker.exists() and marker.read_bytes() == token)
+  everyone = np.asarray(multihost_utils.process_allgather(seen)).reshape(-1)
+  multihost_utils.sync_global_devices("rlver_jax:shared_workdir_read")
+  if jax.process_index() == 0:
+    marker.unlink()
+  blind = [i for i, ok in enumerate(everyone) if not ok]
+  if blind:
+    raise ValueError(f"--workdir={workdir} is not shared by all {jax.process_count()} processes "
+                     f"(processes {blind} do not see process 0's files): use gs:// or a shared mount")
 
 
 def write_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> None:

@@ -27,7 +27,7 @@ from rlver_jax.metrics import MetricsWriter
 from rlver_jax.rl import advantages as adv_lib
 from rlver_jax.rl.losses import kl_penalty
 from rlver_jax.rl.update import Updater, make_optimizer, token_logprobs_and_entropy, token_values
-from rlver_jax.run_config import check_workdir_config, write_workdir_config
+from rlver_jax.run_config import check_shared_workdir, check_workdir_config, write_workdir_config
 from rlver_jax.sharding import DEFAULT_RULES, batch_shards, global_array, host_array
 from rlver_jax.train_checks import check_training_config
 
@@ -90,6 +90,7 @@ class Trainer:
     self.config = config
     self.workdir = workdir
     check_training_config(config)
+    check_shared_workdir(workdir)
     check_workdir_config(config, workdir)
     start = provenance.check(config, workdir)
     self.mesh = build.mesh_from(config)

@@ -154,6 +154,28 @@ def test_two_hosts_train_like_one_and_stop_together(tmp_path):
   _assert_same_state(_state(multi, 2), _state(single, 2))
 
 
+def test_a_workdir_not_shared_by_the_hosts_is_refused(tmp_path):
+  # Two hosts that each see their own disk at the workdir path (simulated: two different paths).
+  from gcs_emulator import free_port
+  world = tiny_world.make_world(tmp_path / "world")
+  port = free_port()
+  procs, logs = [], []
+  for i in range(2):
+    flags = tiny_world.cli_flags(world, "grpo", str(tmp_path / f"disk{i}" / "run"), 1)
+    flags += ["--cpu_devices=1", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+              f"--process_id={i}"]
+    logs.append(tmp_path / f"disk{i}.log")
+    procs.append(_start(["-m", "rlver_jax.main", *flags], logs[-1]))
+  for p in procs:
+    p.wait(timeout=TIMEOUT_S)
+  for p, log in zip(procs, logs):
+    last = [l for l in log.read_text().splitlines() if l.strip()][-1]
+    assert p.returncode != 0 and last.startswith("error: ") and "is not shared by all 2 processes" in last
+    assert "processes [1]" in last, last
+  assert not list(tmp_path.glob("disk*/run/config.json"))
+  assert not list(tmp_path.glob("disk*/run/.shared-check-*"))
+
+
 def _leaves(tree) -> list[tuple[str, np.ndarray]]:
   return [(jax.tree_util.keystr(k), x) for k, x in jax.tree_util.tree_leaves_with_path(tree)]
 

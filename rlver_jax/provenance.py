@@ -1,13 +1,16 @@
 """What a run's results depend on beyond its config: the prompt texts (they live in code) and the
-code version. Written to WORKDIR/provenance.json; a resume with different prompt texts is refused,
-since mixing prompt versions in one run changes what the policy is trained on.
+code version, and the training profiles' contents. Written to WORKDIR/provenance.json; a resume with
+different prompt texts or profiles is refused, since mixing them in one run changes what the policy
+is trained on.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import pathlib
 import subprocess
+from typing import Sequence
 
 import jax
 import ml_collections
@@ -61,16 +64,30 @@ def describe(config: ml_collections.ConfigDict) -> dict:
           "git_commit": git_commit(), "jax": jax.__version__}
 
 
-def check(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """This start's provenance; refuses a workdir whose run used other prompt texts."""
+def profiles_sha256(profiles: Sequence[Profile]) -> str:
+  """Fingerprint of the profiles' contents, in order (the sampler resumes by index into them)."""
+  blob = json.dumps([dataclasses.asdict(p) for p in profiles], sort_keys=True, ensure_ascii=False)
+  return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+_WHAT = {"prompts_sha256": "the prompt texts", "profiles_sha256": "the training profiles' contents"}
+
+
+def check(config: ml_collections.ConfigDict, workdir: str,
+          profiles: Sequence[Profile] | None = None) -> dict:
+  """This start's provenance; refuses a workdir whose run used other prompt texts or, given
+  `profiles`, other profile contents (a file edited or replaced under the same path)."""
   path = epath.Path(workdir) / "provenance.json"
   now = describe(config)
+  if profiles is not None:
+    now["profiles_sha256"] = profiles_sha256(profiles)
   if path.exists():
     first = json.loads(path.read_text())[0]
-    if first["prompts_sha256"] != now["prompts_sha256"]:
-      raise ConfigConflictError(
-          f"{path}: the prompt texts changed since this run started (prompts_sha256 "
-          f"{first['prompts_sha256'][:12]} -> {now['prompts_sha256'][:12]}); use a new --workdir")
+    for key, what in _WHAT.items():
+      if key in first and key in now and first[key] != now[key]:
+        raise ConfigConflictError(
+            f"{path}: {what} changed since this run started ({key} {first[key][:12]} -> "
+            f"{now[key][:12]}); use a new --workdir")
   return now
 
 

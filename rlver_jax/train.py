@@ -92,9 +92,9 @@ class Trainer:
     check_training_config(config)
     check_shared_workdir(workdir)
     check_workdir_config(config, workdir)
-    start = provenance.check(config, workdir)
     self.mesh = build.mesh_from(config)
     profiles = build.profiles_from(config.data.profiles)
+    start = provenance.check(config, workdir, profiles)
     self.train_profiles, self.holdout = split_holdout(profiles, config.data.num_holdout, config.seed)
     if not self.train_profiles:
       raise build.ConfigError(f"config.data.num_holdout={config.data.num_holdout} leaves no training "
@@ -220,6 +220,7 @@ class Trainer:
       extra["value_mean"] = float((v * mask).sum() / max(mask.sum(), 1))
     extra["policy_tokens"] = float(mask.sum())
     extra["samples"] = float(p.num_real)
+    extra["sample_tokens"] = float((p.segment_ids > 0).sum())  # real tokens, padding excluded
     return batch, extra
 
   def update(self, batch: dict[str, jax.Array]) -> dict[str, float]:
@@ -258,7 +259,7 @@ class Trainer:
     out.update(rollout_seconds=t1 - t0, update_seconds=t2 - t1,
                rollout_fraction=(t1 - t0) / max(t2 - t0, 1e-9),
                rollout_policy_tokens_per_s=stats.policy_tokens / max(t1 - t0, 1e-9),
-               update_tokens_per_s=float(batch["tokens"].size) * self.config.rl.epochs / max(t2 - t1, 1e-9))
+               update_tokens_per_s=extra["sample_tokens"] * self.config.rl.epochs / max(t2 - t1, 1e-9))
     return out
 
 

@@ -40,3 +40,15 @@ def test_resume_with_other_prompts_is_refused(tmp_path, monkeypatch):
   with pytest.raises(ConfigConflictError, match="prompt texts changed"):
     provenance.check(config, str(tmp_path))
   assert len(json.loads((tmp_path / "provenance.json").read_text())) == 2  # nothing written
+
+
+def test_resume_with_other_profile_contents_is_refused(tmp_path):
+  from rlver_jax.env.profiles import load_demo_profiles
+  config, profiles = _config(), load_demo_profiles()
+  provenance.append(str(tmp_path), provenance.check(config, str(tmp_path), profiles))
+  provenance.check(config, str(tmp_path), profiles)  # the same contents: fine
+  edited = [profiles[0].__class__(**{**profiles[0].__dict__, "scene": "another scene"})] + profiles[1:]
+  with pytest.raises(ConfigConflictError, match="training profiles' contents changed"):
+    provenance.check(config, str(tmp_path), edited)
+  with pytest.raises(ConfigConflictError, match="training profiles' contents changed"):
+    provenance.check(config, str(tmp_path), profiles[::-1])  # same profiles, other order

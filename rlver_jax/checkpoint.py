@@ -70,7 +70,8 @@ def abstract_like(tree: Any) -> Any:
 
 
 class PreemptionGuard:
-  """Turns SIGTERM into a flag the training loop polls after each step (save, then exit)."""
+  """Turns SIGTERM into a flag the training loop polls after each step and between rollout turns
+  (save the last finished step, then exit)."""
 
   def __init__(self):
     self._event = threading.Event()

@@ -21,7 +21,7 @@ from rlver_jax import build, provenance
 from rlver_jax.checkpoint import Checkpointer, PreemptionGuard, abstract_like
 from rlver_jax.env.evaluation import summarize
 from rlver_jax.env.profiles import ProfileSampler, repeat_for_groups, split_holdout
-from rlver_jax.env.rollout import Dialogue, RolloutStats, run_dialogues
+from rlver_jax.env.rollout import Dialogue, RolloutInterrupted, RolloutStats, run_dialogues
 from rlver_jax.env.simulator import SimulatedUsers
 from rlver_jax.metrics import MetricsWriter
 from rlver_jax.rl import advantages as adv_lib
@@ -147,7 +147,7 @@ class Trainer:
 
   # -- one step ----------------------------------------------------------------------------------
 
-  def rollout(self, rng) -> tuple[list[Dialogue], RolloutStats]:
+  def rollout(self, rng, should_stop=None) -> tuple[list[Dialogue], RolloutStats]:
     c = self.config
     # Every host samples the whole global batch (same seed, same order): parsing replies and the
     # simulator's decisions run on the host and need every row's text everywhere. Token ids come
@@ -160,7 +160,8 @@ class Trainer:
                            max_turns=s.max_turns, max_parse_retries=s.max_parse_retries)
     stats = RolloutStats()
     dialogues = run_dialogues(profiles, groups, users, sampler=self.sampler, params=self.state["policy"],
-                              chat=self.chat, cfg=build.rollout_config(c), rng=rng, stats=stats)
+                              chat=self.chat, cfg=build.rollout_config(c), rng=rng, stats=stats,
+                              should_stop=should_stop)
     return dialogues, stats
 
   def _old_logp(self, params, tokens, seg):
@@ -241,11 +242,18 @@ class Trainer:
     reduce = {"ratio_max": np.max, "ratio_min": np.min}
     return {k: float(reduce.get(k, np.mean)(v)) for k, v in metrics.items()}
 
-  def train_step(self) -> dict[str, float]:
+  def train_step(self, should_stop=None) -> dict[str, float]:
+    """One rollout + update. `should_stop` is polled between rollout turns; if it fires, the step is
+    abandoned before anything changed (RolloutInterrupted) and the state is still the last step's."""
     rng = jax.random.fold_in(jax.random.wrap_key_data(self.state["rng"]), self.step)
     t0 = time.perf_counter()
+    before = self.profile_sampler.state_dict()
     with jax.set_mesh(self.mesh):
-      dialogues, stats = self.rollout(rng)
+      try:
+        dialogues, stats = self.rollout(rng, should_stop)
+      except RolloutInterrupted:
+        self.profile_sampler.load_state_dict(before)  # a resume redoes this step's batch
+        raise
       t1 = time.perf_counter()
       batch, extra = self.make_batch(dialogues)
       metrics = self.update(batch)
@@ -316,7 +324,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
   try:
     with PreemptionGuard() as guard:
       while trainer.step < total:
-        metrics = trainer.train_step()
+        try:
+          # Polled between turns too: a rollout takes minutes and a preemption notice ~30 s.
+          metrics = trainer.train_step(should_stop=guard.agreed)
+        except RolloutInterrupted:
+          if trainer.step > 0:  # step 0 is the pretrained start: nothing to keep
+            trainer.save()
+          logging.warning("SIGTERM during the rollout of step %d: saved step %d, exiting",
+                          trainer.step + 1, trainer.step)
+          break
         step = trainer.step
         trainer.writer.write(step, metrics)
         if config.log.transcripts_every and step % config.log.transcripts_every == 0:

@@ -130,7 +130,7 @@ def test_two_hosts_train_like_one_and_stop_together(tmp_path):
   assert [m["step"] for m in a] == list(range(1, stop + 1)) and stop < 1000
   assert [m["step"] for m in b] == [1, 2]
   for log in logs[:2]:
-    assert f"SIGTERM: saved step {stop}, exiting" in log.read_text()
+    assert f"saved step {stop}, exiting" in log.read_text()  # after a step or mid-rollout
   steps = sorted(int(d.name) for d in (multi / "checkpoints").iterdir() if d.name.isdigit())
   assert steps == sorted({*range(2, stop + 1, 2), stop})
   meta = json.loads((multi / "checkpoints" / str(stop) / "meta" / "metadata").read_text())

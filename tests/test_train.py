@@ -244,3 +244,43 @@ def test_packed_shapes_come_from_few_buckets():
     shapes.add((N, T))
   Ns, Ts = {s[0] for s in shapes}, {s[1] for s in shapes}
   assert len(Ns) <= 10 and len(Ts) <= 14, (sorted(Ns), sorted(Ts))  # vs 25 x 128 rounded shapes
+
+
+class _CountingGuard:
+  """A PreemptionGuard stand-in that reports SIGTERM from its `fire_at`-th poll on."""
+
+  def __init__(self, fire_at=None):
+    self.fire_at, self.calls = fire_at, 0
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+  def agreed(self):
+    self.calls += 1
+    return self.fire_at is not None and self.calls >= self.fire_at
+
+
+def test_sigterm_during_a_rollout_saves_the_last_step_and_resumes_exactly(world, tmp_path, monkeypatch):
+  cfg = lambda steps: _config(world, "grpo", total_steps=steps, **{"checkpoint.every_steps": 100})
+  counter = _CountingGuard()
+  monkeypatch.setattr(train, "PreemptionGuard", lambda: counter)
+  train.run(cfg(1), str(tmp_path / "probe"))
+  per_step = counter.calls  # the polls of one step: one per rollout turn and one after the step
+  assert per_step >= 2
+  # Fire at step 2's first turn: its rollout is dropped, step 1 is saved (every_steps would not).
+  monkeypatch.setattr(train, "PreemptionGuard", lambda: _CountingGuard(fire_at=per_step + 1))
+  interrupted, straight = tmp_path / "interrupted", tmp_path / "straight"
+  paths = train.run(cfg(3), str(interrupted))
+  assert paths["step"] == "1" and [m["step"] for m in _metrics(interrupted)] == [1]
+  monkeypatch.setattr(train, "PreemptionGuard", lambda: _CountingGuard())
+  train.run(cfg(3), str(interrupted))  # resumes from step 1
+  train.run(cfg(3), str(straight))
+  a, step_a = _params(straight, cfg(3))
+  b, step_b = _params(interrupted, cfg(3))
+  assert step_a == step_b == 3
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+  assert [m["reward_mean"] for m in _metrics(straight)] == [m["reward_mean"] for m in _metrics(interrupted)]

@@ -12,7 +12,7 @@ per dialogue carries every policy turn under its loss mask.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -121,10 +121,19 @@ class RolloutStats:
   policy_turns: int = 0
 
 
+class RolloutInterrupted(Exception):
+  """`should_stop` said so between two turns (e.g. SIGTERM): the dialogues are dropped unfinished."""
+
+
 def run_dialogues(profiles: Sequence[Profile], group_ids: Sequence[int], users: SimulatedUsers, *,
                   sampler: Sampler, params, chat: ChatTokens, cfg: RolloutConfig,
-                  rng: jax.Array, stats: RolloutStats | None = None) -> list[Dialogue]:
-  """Runs every dialogue to its end; returns one Dialogue per profile, in row order."""
+                  rng: jax.Array, stats: RolloutStats | None = None,
+                  should_stop: Callable[[], bool] | None = None) -> list[Dialogue]:
+  """Runs every dialogue to its end; returns one Dialogue per profile, in row order.
+
+  `should_stop` is polled before each turn (on every host alike: it may be a collective); when it
+  returns True, RolloutInterrupted is raised.
+  """
   stats = stats if stats is not None else RolloutStats()
   B = len(profiles)
   sampling = SamplingParams.make(cfg.temperature, cfg.top_p, cfg.top_k)
@@ -138,6 +147,8 @@ def run_dialogues(profiles: Sequence[Profile], group_ids: Sequence[int], users: 
   cache, logits = sampler.prefill(params, sampler.init_cache(B), [r.ctx for r in rows])
 
   while not users.done:
+    if should_stop is not None and should_stop():
+      raise RolloutInterrupted()
     live = users.live_rows()
     active = np.zeros(B, bool)
     active[live] = True

@@ -35,6 +35,7 @@ from rlver_jax import aot_run
 from rlver_jax.aot_programs import PROGRAMS
 from rlver_jax.run_config import parse_flags
 from rlver_jax.sharding import MeshConfig, make_mesh
+from rlver_jax.train_checks import check_training_config
 
 _GIB = 2**30
 _INSTALL = 'pip install "jax[tpu]==0.10.2"'
@@ -257,6 +258,7 @@ def evaluate(config: ml_collections.ConfigDict, topology: str, mesh_config: Mesh
     return Evaluation(topology, shape, tuple(compile_program(n, config, mesh, topology, hbm)
                                              for n in names))
   try:
+    check_training_config(config)  # what training would refuse (e.g. a zero micro-batch) is no plan
     plan = aot_run.Plan(config, mesh, hbm)
   except ValueError as e:  # an unknown preset, dtype or algorithm in the config
     raise AotError(str(e)) from None
@@ -414,7 +416,7 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError("--config is required, e.g. --config=configs/aot_forward.py")
   try:
     _run(_CONFIG.value)
-  except AotError as e:
+  except (AotError, ValueError) as e:  # ValueError: a bad config value (e.g. an unknown preset)
     print(f"aot: error: {e}", file=sys.stderr)
     sys.exit(1)
 

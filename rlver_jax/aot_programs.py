@@ -33,6 +33,7 @@ from rlver_jax.rl.update import Updater, make_optimizer
 from rlver_jax.sampling.kv_cache import KVCache, default_layout
 from rlver_jax.sampling.sampler import DEFAULT_APPEND_BUCKETS, Sampler, bucket
 from rlver_jax.sampling.strategies import SamplingParams
+from rlver_jax.shapes import SEQ_MULTIPLE, round_up, shape_bucket
 from rlver_jax.sharding import DEFAULT_RULES, ShardingRules, batch_shards
 
 Program = Callable[[ml_collections.ConfigDict, Mesh], tuple[Callable[..., Any], tuple[Any, ...]]]
@@ -200,27 +201,34 @@ def micro_batch_rows(config: ml_collections.ConfigDict, mesh: Mesh | None = None
 def micro_batches(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> int:
   """M of one update step: the packed rows (padded like `train.pack`) over micro- and mini-batches."""
   rows = micro_batch_rows(config, mesh) * config.rl.mini_batches
-  return -(-num_samples(config) // rows)
+  return shape_bucket(num_samples(config), rows) // rows
 
 
-def _sampler_role(config: ml_collections.ConfigDict, role: str):
+def packed_length(config: ml_collections.ConfigDict) -> int:
+  """The longest packed training length (`train.pack` pads a full context up to its bucket)."""
+  return shape_bucket(config.policy.max_context, SEQ_MULTIPLE)
+
+
+def _sampler_role(config: ml_collections.ConfigDict, role: str, mesh: Mesh | None = None):
   section = config.policy if role == "policy" else config.simulator
   model = policy_model(config) if role == "policy" else simulator_model(config)
-  return model, num_dialogues(config), section.max_context, section.max_new_tokens
+  # The rollout pads its cache rows to the batch shards (`Sampler.padded_rows`).
+  rows = num_dialogues(config) if mesh is None else round_up(num_dialogues(config), batch_shards(mesh))
+  return model, rows, section.max_context, section.max_new_tokens
 
 
 def run_prefill(config, mesh, *, role: str):
-  model, batch, max_len, _ = _sampler_role(config, role)
+  model, batch, max_len, _ = _sampler_role(config, role, mesh)
   return prefill_program(model, batch, max_len, mesh)
 
 
 def run_append(config, mesh, *, role: str):
-  model, batch, max_len, _ = _sampler_role(config, role)
+  model, batch, max_len, _ = _sampler_role(config, role, mesh)
   return append_program(model, batch, max_len, TYPICAL_TURN_TOKENS, mesh)
 
 
 def run_decode(config, mesh, *, role: str):
-  model, batch, max_len, max_new = _sampler_role(config, role)
+  model, batch, max_len, max_new = _sampler_role(config, role, mesh)
   return decode_program(model, batch, max_len, max_new, mesh)
 
 
@@ -247,7 +255,7 @@ def batch_keys(config: ml_collections.ConfigDict) -> tuple[str, ...]:
 
 def abstract_batch(config: ml_collections.ConfigDict, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
   """One mini-batch [M, B, T], micro-batch rows over the batch mesh axes (like `Trainer._device`)."""
-  shape = (micro_batches(config, mesh), micro_batch_rows(config, mesh), config.policy.max_context)
+  shape = (micro_batches(config, mesh), micro_batch_rows(config, mesh), packed_length(config))
   ints = {"tokens", "segment_ids"}
   return {k: abstract_array(shape, jnp.int32 if k in ints else jnp.float32, (None, "batch", None), mesh)
           for k in batch_keys(config)}

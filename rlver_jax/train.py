@@ -28,27 +28,9 @@ from rlver_jax.rl import advantages as adv_lib
 from rlver_jax.rl.losses import kl_penalty
 from rlver_jax.rl.update import Updater, make_optimizer, token_logprobs_and_entropy, token_values
 from rlver_jax.run_config import check_shared_workdir, check_workdir_config, write_workdir_config
+from rlver_jax.shapes import SEQ_MULTIPLE, shape_bucket
 from rlver_jax.sharding import DEFAULT_RULES, batch_shards, global_array, host_array
 from rlver_jax.train_checks import check_training_config
-
-SEQ_MULTIPLE = 64  # packed lengths are whole multiples of this
-
-
-def shape_bucket(n: int, unit: int) -> int:
-  """The smallest unit * {1, 1.5} * 2^k >= n (unit, 2u, 3u, 4u, 6u, 8u, 12u, ...).
-
-  Packed batch shapes take only these values, so the update, log-prob and value programs compile
-  O(log) times over a run however the rollout lengths vary (each new shape is a recompile, minutes
-  at 7B); padding stays under 50% and never changes results (it carries no loss weight).
-  """
-  units = max(-(-n // unit), 1)
-  k = 0
-  while True:
-    for size in ((1 << k, 3 << (k - 1)) if k else (1,)):  # 2^k, then 1.5 * 2^k
-      if size >= units:
-        return size * unit
-    k += 1
-
 
 @dataclasses.dataclass
 class Packed:

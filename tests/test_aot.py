@@ -242,3 +242,28 @@ def test_programs_filter_rejects_unknown_names():
   with pytest.raises(aot.AotError, match="'forward' is not one of this config's"):
     aot.program_names(_RUN_CONFIGS["grpo_think"](), ["forward"])
   assert aot.program_names(_tiny(), ["forward"]) == ("forward",)
+
+
+def test_update_plan_uses_the_trainers_padded_shapes():
+  # train.pack pads the packed rows and length up to shape buckets; the plan must compile the same.
+  import numpy as np
+  from types import SimpleNamespace
+  from rlver_jax import train
+  from rlver_jax.env.rollout import Sample
+  config = _RUN_CONFIGS["grpo_nothink"]()
+  with config.unlocked():
+    config.policy.max_context = 10000
+    config.rl.profiles_per_step = 40  # 160 dialogues: 40 micro-batches of 4 before padding
+  rows = ap.micro_batch_rows(config) * config.rl.mini_batches
+  samples = [Sample(0, [1] * config.policy.max_context, [1] * config.policy.max_context,
+                    [0.0] * config.policy.max_context, [0])] * ap.num_samples(config)
+  packed = train.pack([SimpleNamespace(samples=samples)], rows, pad_id=0).tokens.shape
+  assert packed == (ap.micro_batches(config) * rows, ap.packed_length(config)) == (192, 12288)
+
+
+def test_bad_training_config_values_are_one_line_errors(topology_ok):
+  config = _RUN_CONFIGS["grpo_think"]()
+  with config.unlocked():
+    config.rl.micro_batch_size = 0
+  with pytest.raises(aot.AotError, match=r"config\.rl\.micro_batch_size=0"):
+    aot.evaluate(config, "v5e:2x2")  # refused before any compile (was a ZeroDivisionError)

@@ -321,3 +321,47 @@ def test_turns_ended_by_another_stop_id_are_closed_with_im_end(smol, tiny_policy
     # Every <|im_start|> after the first opens a message right after a closed one.
     for i in [i for i, t in enumerate(tokens) if t == start][1:]:
       assert tokens[i - 2:i] == [chat.im_end] + chat.encode("\n"), chat.decode(tokens[i - 4:i + 1])
+
+
+def test_rollout_caches_are_padded_to_the_batch_shards(smol, tiny_policy):
+  # 3 dialogues on 8 batch shards: an unpadded cache of 3 rows cannot be split over fsdp=8 and was
+  # replicated (the whole cache on every device). Padded with inactive rows it is split, and the
+  # dialogues are those of the single-device run.
+  from jax.sharding import NamedSharding, PartitionSpec
+  from rlver_jax.sharding import MeshConfig, make_mesh
+  _, chat = smol
+  model, _ = tiny_policy
+  mesh = make_mesh(MeshConfig(fsdp=8))
+  profiles = load_demo_profiles()[:3]
+  cfg = RolloutConfig(think=False, max_new_tokens=6, temperature=0.0)
+  out, seen = [], []
+  for m in (None, mesh):
+    params = nnx.state(model)
+    if m is not None:
+      params = jax.device_put(params, NamedSharding(m, PartitionSpec()))
+    policy = Sampler(model, max_len=1024, stop_ids=chat.stop_ids, pad_id=chat.pad_id, mesh=m,
+                     append_buckets=(64, 512))
+    sim = Sampler(model, max_len=2048, stop_ids=chat.stop_ids, pad_id=chat.pad_id, mesh=m,
+                  append_buckets=(64, 512))
+    backend = ModelBackend(sim, params, chat, max_new_tokens=8, sampling=SamplingParams.make(0.0),
+                           seed=0)
+    allocate = policy.init_cache
+    policy.init_cache = lambda rows: seen.append(rows) or allocate(rows)
+    users = SimulatedUsers(profiles, backend, start_emotion=30, max_turns=2, max_parse_retries=0)
+    with jax.set_mesh(m) if m is not None else _no_mesh():
+      dialogues = run_dialogues(profiles, [0, 1, 2], users, sampler=policy, params=params,
+                                chat=chat, cfg=cfg, rng=jax.random.key(0))
+    out.append([(d.samples[0].tokens, d.user_lines) for d in dialogues])
+    seen.append(backend.cache)
+  assert seen[0] == 3 and seen[2] == 8  # the policy's cache rows
+  assert seen[1].batch_size == 3 and seen[3].batch_size == 8  # the simulator's
+  assert {s.data.shape[1] for s in seen[3].k.addressable_shards} == {1}  # one row per device
+  assert out[0] == out[1]
+
+
+class _no_mesh:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *a):
+    return False

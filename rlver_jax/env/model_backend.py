@@ -39,10 +39,12 @@ class ModelBackend(HistoryBackend):
 
   def reset(self, num_rows: int) -> None:
     super().reset(num_rows)
-    if self.cache is None or self.cache.batch_size != num_rows:
-      self.cache = self.sampler.init_cache(num_rows)
-    self.cache = self.cache.with_lengths(np.zeros(num_rows, np.int32))
-    self.logits = self.sampler.empty_logits(num_rows)
+    rows = self.sampler.padded_rows(num_rows)  # inactive rows up to a fully sharded batch
+    if self.cache is None or self.cache.batch_size != rows:
+      self.cache = None  # freed before the new one is allocated: at 72B each is tens of GiB a chip
+      self.cache = self.sampler.init_cache(rows)
+    self.cache = self.cache.with_lengths(np.zeros(rows, np.int32))
+    self.logits = self.sampler.empty_logits(rows)
     self.closed = [True] * num_rows
     self.stopped = [True] * num_rows
     self.tokens = [[] for _ in range(num_rows)]

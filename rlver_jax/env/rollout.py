@@ -144,13 +144,15 @@ def run_dialogues(profiles: Sequence[Profile], group_ids: Sequence[int], users: 
     ctx = chat.conversation([{"role": "system", "content": policy_system_prompt(cfg.think, lang)},
                              {"role": "user", "content": opening}], add_generation_prompt=True)
     rows.append(_Row(ctx=ctx, mask=[0] * len(ctx), logp=[0.0] * len(ctx)))
-  cache, logits = sampler.prefill(params, sampler.init_cache(B), [r.ctx for r in rows])
+  C = sampler.padded_rows(B)  # cache rows: B dialogues, then inactive rows up to a sharded batch
+  cache, logits = sampler.prefill(params, sampler.init_cache(C),
+                                  [r.ctx for r in rows] + [[]] * (C - B))
 
   while not users.done:
     if should_stop is not None and should_stop():
       raise RolloutInterrupted()
     live = users.live_rows()
-    active = np.zeros(B, bool)
+    active = np.zeros(C, bool)
     active[live] = True
     rng, key = jax.random.split(rng)
     # One slot stays free so a reply cut by the cache can still be closed with <|im_end|>.
@@ -158,7 +160,7 @@ def run_dialogues(profiles: Sequence[Profile], group_ids: Sequence[int], users: 
                          sampling=sampling, active=active, reserve=1)
     cache = res.cache
     lengths = host_array(cache.lengths).copy()
-    replies, appends = [], [[] for _ in range(B)]
+    replies, appends = [], [[] for _ in range(C)]
     for b in live:
       gen = res.row(b)
       stats.policy_tokens += len(gen)

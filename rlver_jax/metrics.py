@@ -28,12 +28,10 @@ class MetricsWriter:
     self.path = self.workdir / "metrics.jsonl"
     self.transcripts = self.workdir / "transcripts"
     self._tb = None
+    self._tensorboard = tensorboard and self.enabled
     if self.enabled:
       self.workdir.mkdir(parents=True, exist_ok=True)
       self.transcripts.mkdir(parents=True, exist_ok=True)
-      if tensorboard:
-        from tensorboardX import SummaryWriter
-        self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
 
   def history(self) -> list[dict]:
     """The metrics lines already written (a resumed run appends after them).
@@ -67,6 +65,11 @@ class MetricsWriter:
     row = {"step": step, **{k: v for k, v in sorted(new.items()) if k != "step"}}
     lines = [json.dumps(r) for r in rows if r.get("step", 0) < step] + [json.dumps(row)]
     self._replace(self.path, "\n".join(lines) + "\n")
+    if self._tensorboard and self._tb is None:
+      # Opened at the first step written: a resumed run hides the events of the steps it redoes
+      # (TensorBoard's purge_step), as metrics.jsonl drops their rows.
+      from tensorboardX import SummaryWriter
+      self._tb = SummaryWriter(str(self.workdir / "tensorboard"), purge_step=step)
     if self._tb is not None:
       for k, v in metrics.items():
         v = _scalar(v)

@@ -37,3 +37,33 @@ def test_a_broken_line_inside_the_file_names_it(tmp_path):
   with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON metrics line"):
     w.write(4, {"reward_mean": 0.1})
   assert w.path.read_text() == '{"step": 1}\nnot json\n{"step": 3}\n'  # left as it was
+
+
+def _events(directory):
+  """Every Event proto of the TensorBoard files in `directory`, file by file in time order."""
+  import struct
+  from tensorboardX.proto import event_pb2
+  out = []
+  for path in sorted(directory.iterdir()):
+    data, at = path.read_bytes(), 0
+    while at < len(data):
+      n, = struct.unpack("<Q", data[at:at + 8])
+      out.append(event_pb2.Event.FromString(data[at + 12:at + 12 + n]))
+      at += 12 + n + 4
+  return out
+
+
+def test_a_resume_purges_the_redone_steps_from_tensorboard(tmp_path):
+  w = MetricsWriter(str(tmp_path))
+  for step in (1, 2, 3):
+    w.write(step, {"reward_mean": step / 10})
+  w.close()
+  import time
+  time.sleep(1.1)  # event file names carry the second they were opened
+  resumed = MetricsWriter(str(tmp_path))  # the checkpoint was at step 1: steps 2 and 3 are redone
+  resumed.write(2, {"reward_mean": 0.5})
+  resumed.close()
+  events = _events(tmp_path / "tensorboard")
+  starts = [e for e in events if e.HasField("session_log")]
+  assert starts and starts[-1].session_log.status == starts[-1].session_log.START
+  assert starts[-1].step == 2  # TensorBoard hides every earlier event from step 2 on

@@ -1,9 +1,11 @@
 """Fused GRPO update throughput for SmolLM2-135M at the `:runlocal` shapes, and a real run's time split.
 
-Part 1 builds a batch the way `Trainer.make_batch` does (samples packed to a multiple of 64 tokens,
-[M, B, T] with B = micro_batch_size, old log-probs from a forward pass of the same params, GRPO
-advantages on the loss-masked tokens) and times `Updater.step` (fp32, full remat, micro-batch 2,
-logits chunk 256, as `:runlocal`). Tokens/s counts every packed token, as the trainer's `update_tokens_per_s` does.
+Part 1 builds a batch the way `Trainer.make_batch` does (samples packed to the trainer's shape
+buckets, [M, B, T] with B = micro_batch_size, old log-probs from a forward pass of the same params,
+GRPO advantages on the loss-masked tokens) and times `Updater.step` (fp32, full remat, micro-batch 2,
+logits chunk 256, as `:runlocal`). Tokens/s counts every packed token, padding included; the
+trainer's `update_tokens_per_s` counts real tokens only (since session 6; older result tables
+counted padding there too).
 
 Part 2 runs `python -m rlver_jax.main --config=configs/grpo_think.py:runlocal --config.total_steps=2`
 in a fresh workdir and reads `rollout_seconds` / `update_seconds` from its metrics.jsonl.
@@ -30,17 +32,17 @@ from _common import CompileCounter, command_line, machine_info, median, table
 from rlver_jax.models import load_pretrained
 from rlver_jax.models.embedded import embedded_model_dir
 from rlver_jax.rl.update import LossConfig, OptimConfig, Updater, make_optimizer, token_logprobs_and_entropy
-from rlver_jax.train import SEQ_MULTIPLE
+from rlver_jax.shapes import SEQ_MULTIPLE, shape_bucket
 
 RUN_FIELDS = ("rollout_seconds", "update_seconds", "rollout_fraction", "update_tokens_per_s",
               "rollout_policy_tokens_per_s", "policy_tokens", "samples", "turns_mean")
 
 
 def make_host_batch(samples: int, seq: int, masked: int, micro: int, vocab: int, seed: int = 0):
-  """[M, B, T] arrays like make_batch: right-padded to a multiple of 64, loss mask on the tail."""
+  """[M, B, T] arrays like make_batch: right-padded to the shape buckets, loss mask on the tail."""
   rng = np.random.default_rng(seed)
-  T = -(-seq // SEQ_MULTIPLE) * SEQ_MULTIPLE
-  N = -(-samples // micro) * micro
+  T = shape_bucket(seq, SEQ_MULTIPLE)
+  N = shape_bucket(samples, micro)
   lengths = rng.integers(seq - 50, seq + 1, size=samples)
   tokens = np.zeros((N, T), np.int32)
   seg, mask = np.zeros((N, T), np.int32), np.zeros((N, T), np.float32)

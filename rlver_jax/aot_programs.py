@@ -209,12 +209,17 @@ def packed_length(config: ml_collections.ConfigDict) -> int:
   return shape_bucket(config.policy.max_context, SEQ_MULTIPLE)
 
 
+def rollout_rows(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> int:
+  """KV-cache rows of a training rollout: the dialogues, padded to the batch shards like
+  `Sampler.padded_rows`."""
+  n = num_dialogues(config)
+  return n if mesh is None else round_up(n, batch_shards(mesh))
+
+
 def _sampler_role(config: ml_collections.ConfigDict, role: str, mesh: Mesh | None = None):
   section = config.policy if role == "policy" else config.simulator
   model = policy_model(config) if role == "policy" else simulator_model(config)
-  # The rollout pads its cache rows to the batch shards (`Sampler.padded_rows`).
-  rows = num_dialogues(config) if mesh is None else round_up(num_dialogues(config), batch_shards(mesh))
-  return model, rows, section.max_context, section.max_new_tokens
+  return model, rollout_rows(config, mesh), section.max_context, section.max_new_tokens
 
 
 def run_prefill(config, mesh, *, role: str):

@@ -103,7 +103,7 @@ def _cache_bytes(config, mesh: Mesh, role: str) -> int:
   model = ap.policy_model(config) if role == "policy" else ap.simulator_model(config)
   section = config.policy if role == "policy" else config.simulator
   dtype = param_dtype_of(model.dtype)
-  return per_device_bytes(ap.abstract_cache(ap.model_config(model), ap.num_dialogues(config),
+  return per_device_bytes(ap.abstract_cache(ap.model_config(model), ap.rollout_rows(config, mesh),
                                             section.max_context, dtype, mesh))
 
 

@@ -19,14 +19,17 @@ _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None, "CPU devices per proces
 def _on_tpu_vm() -> bool:
   """Whether this host has TPU chips. A TPU VM's shell has none of the TPU_* variables (libtpu
   reads the metadata server), so the chips are looked for on the PCI bus, as JAX itself does."""
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  if platforms and "tpu" not in platforms:  # e.g. a CPU-only tool on a TPU VM
+    return False
   if (os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("TPU_ACCELERATOR_TYPE")
       or os.environ.get("CLOUD_TPU_TASK_ID")):
     return True
-  try:
-    from jax._src import hardware_utils  # private; absent in some future JAX: env variables only
-  except ImportError:
+  try:  # private: a future JAX may move it; then the variables above are the only sign
+    from jax._src import hardware_utils
+    return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+  except (ImportError, AttributeError):
     return False
-  return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
 
 
 def initialize() -> None:

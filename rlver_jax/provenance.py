@@ -82,11 +82,13 @@ def check(config: ml_collections.ConfigDict, workdir: str,
   if profiles is not None:
     now["profiles_sha256"] = profiles_sha256(profiles)
   if path.exists():
-    first = json.loads(path.read_text())[0]
+    history = json.loads(path.read_text())
     for key, what in _WHAT.items():
-      if key in first and key in now and first[key] != now[key]:
+      # The first start that recorded it (runs begun before a key existed record it later).
+      first = next((h[key] for h in history if key in h), None)
+      if first is not None and key in now and first != now[key]:
         raise ConfigConflictError(
-            f"{path}: {what} changed since this run started ({key} {first[key][:12]} -> "
+            f"{path}: {what} changed since this run started ({key} {first[:12]} -> "
             f"{now[key][:12]}); use a new --workdir")
   return now
 

@@ -60,19 +60,32 @@ def check_shared_workdir(workdir: str) -> None:
   from rlver_jax.sharding import broadcast_bytes
   token = broadcast_bytes(secrets.token_hex(8).encode() if jax.process_index() == 0 else None)
   marker = epath.Path(workdir) / f".shared-check-{token.decode()}"
+  # File errors become a "not seen" vote rather than an exception on one host, which would leave
+  # the others waiting in the collectives below forever.
+  write_error = None
   if jax.process_index() == 0:
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_bytes(token)
+    try:
+      marker.parent.mkdir(parents=True, exist_ok=True)
+      marker.write_bytes(token)
+    except OSError as e:
+      write_error = e
   multihost_utils.sync_global_devices("rlver_jax:shared_workdir_written")
-  seen = np.int32(marker.exists() and marker.read_bytes() == token)
-  everyone = np.asarray(multihost_utils.process_allgather(seen)).reshape(-1)
+  try:
+    seen = marker.exists() and marker.read_bytes() == token
+  except OSError:
+    seen = False
+  everyone = np.asarray(multihost_utils.process_allgather(np.int32(seen))).reshape(-1)
   multihost_utils.sync_global_devices("rlver_jax:shared_workdir_read")
-  if jax.process_index() == 0:
-    marker.unlink()
+  if jax.process_index() == 0 and write_error is None:
+    marker.unlink(missing_ok=True)
   blind = [i for i, ok in enumerate(everyone) if not ok]
   if blind:
+    if 0 in blind:  # the others only know that process 0 failed; process 0 also knows why
+      why = "process 0 cannot use it" + (f": {write_error}" if write_error is not None else "")
+    else:
+      why = f"processes {blind} do not see process 0's files"
     raise ValueError(f"--workdir={workdir} is not shared by all {jax.process_count()} processes "
-                     f"(processes {blind} do not see process 0's files): use gs:// or a shared mount")
+                     f"({why}): use gs:// or a shared mount")
 
 
 def write_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> None:

@@ -210,6 +210,9 @@ class Trainer:
     c = self.config
     M = c.rl.mini_batches
     metrics: dict[str, list] = {}
+    # Policy tokens per mini-batch: the per-token metrics are averaged with these weights.
+    tokens = (host_array(batch["loss_mask"]) > 0).sum(axis=(1, 2))
+    weights = [float(tokens[part::M].sum()) for part in range(M)] * c.rl.epochs
     for _ in range(c.rl.epochs):
       for part in range(M):
         mini = {k: v[part::M] for k, v in batch.items()}
@@ -221,8 +224,16 @@ class Trainer:
           m = {**m, **{f"critic/{k}": v for k, v in mv.items()}}
         for k, v in m.items():
           metrics.setdefault(k, []).append(float(v))
-    reduce = {"ratio_max": np.max, "ratio_min": np.min}
-    return {k: float(reduce.get(k, np.mean)(v)) for k, v in metrics.items()}
+    w = np.asarray(weights) if sum(weights) > 0 else np.ones(len(weights))
+    out = {}
+    for k, v in metrics.items():
+      if k.endswith("ratio_max") or k.endswith("ratio_min"):
+        out[k] = float(np.max(v) if k.endswith("max") else np.min(v))
+      elif k.endswith("grad_norm"):  # one value per optimizer update, whatever its size
+        out[k] = float(np.mean(v))
+      else:
+        out[k] = float(np.average(v, weights=w))
+    return out
 
   def train_step(self, should_stop=None) -> dict[str, float]:
     """One rollout + update. `should_stop` is polled between rollout turns; if it fires, the step is

@@ -197,11 +197,13 @@ def test_resident_state_counts_per_device_shards(tiny_preset):
                          "simulator params", "simulator KV cache"}
   # AdamW keeps two fp32 moments per param (plus scalar counts).
   assert 0 <= update["policy optimizer"] - 2 * update["policy params"] < 1024
-  # k and v in the simulator's dtype (fp32 in runlocal), 1 layer; PPO runlocal has 2
-  # dialogues, which 4 fsdp devices cannot split: every device holds both rows, and their lengths.
+  # k and v in the simulator's dtype (fp32 in runlocal), 1 layer; PPO runlocal has 2 dialogues,
+  # padded to 4 cache rows like the rollout's (4 fsdp devices could not split 2): one row per
+  # device, and its length (unpadded, every device held both rows).
   c = _TINY
-  assert ap.num_dialogues(config) == 2 and config.simulator.dtype == "float32"
-  assert update["simulator KV cache"] == 2 * 1 * 2 * 256 * c.num_kv_heads * c.head_dim * 4 + 2 * 4
+  assert ap.num_dialogues(config) == 2 and ap.rollout_rows(config, mesh) == 4
+  assert config.simulator.dtype == "float32"
+  assert update["simulator KV cache"] == 2 * 1 * 1 * 256 * c.num_kv_heads * c.head_dim * 4 + 1 * 4
   # The update's micro-batch has micro_batch_size rows per batch shard: 2 x 4 on 4 fsdp devices.
   batch = ap.abstract_batch(config, mesh)["tokens"]
   assert batch.shape == (1, 2 * 4, 256) and batch.sharding.shard_shape(batch.shape) == (1, 2, 256)

@@ -287,21 +287,3 @@ def test_http_connection_refused(monkeypatch):
   with pytest.raises(SimulatorBackendError, match="connection error") as info:
     backend.generate([_req(0)])
   assert SECRET not in str(info.value)
-
-
-def test_http_truncation_follows_finish_reason(stub):
-  # finish_reason "length" means the server stopped at max_tokens: the simulator must not take a
-  # marker-less answer from it as the user's reply (see SimulatedUsers._reply_from).
-  def respond(n, body):
-    cut = "cut" in body["messages"][-1]["content"]
-    choice = {"message": {"role": "assistant", "content": "Plan: ..."},
-              "finish_reason": "length" if cut else "stop"}
-    return 200, {"choices": [choice]}
-
-  _, url = stub(respond)
-  backend = _backend(url)
-  backend.reset(3)
-  backend.generate([_req(0, text="please cut"), _req(1, text="whole"), _req(2, text="cut again")])
-  assert [backend.truncated(r) for r in range(3)] == [True, False, True]
-  backend.generate([_req(0, text="whole now")])
-  assert [backend.truncated(r) for r in range(3)] == [False, False, True]

@@ -111,7 +111,7 @@ def test_strip_stop():
 @pytest.mark.parametrize("text", [
     "好的，谢谢你，再见！", "拜拜啦", "那我先走了，拜拜~", "好的bye", "嗯嗯，bye bye",
     "好的，再见！", "再见了", "拜拜~", "那就这样吧，再见", "再见啦😊", "下次再见。", "拜拜咯～谢谢你",
-    "谢谢，再见了。", "那就再见吧",
+    "谢谢，再见了。", "那就再见吧", "再见啦朋友", "再见了朋友们", "拜拜了您嘞",
 ])
 def test_goodbye_zh(text):
   assert chat.says_goodbye(text, "zh")
@@ -121,7 +121,7 @@ def test_goodbye_zh(text):
                                   "我真的不想再见到他了", "我们再见面的时候再说吧", "我没再见过她",
                                   "我真的不想再见他了", "以后还能再见吗", "以后还能再见？",
                                   "我再也不想再见了", "我没来得及跟她说再见。", "我不想和你说再见",
-                                  "再见到你真好", "再见了吗？"])
+                                  "再见到你真好", "再见了吗？", "还能再见你吗", "我想再见你一面"])
 def test_not_goodbye_zh(text):
   assert not chat.says_goodbye(text, "zh")
 
@@ -132,6 +132,7 @@ def test_not_goodbye_zh(text):
     "I have to go now, take care!", "Talk to you later.", "ok talk soon 🙂",
     "Thanks for listening. Goodbye Sam", "You helped, bye now",
     "See you again soon!", "Thanks. See you again.", "I'll see you later!",
+    "I have to talk to you later.", "Got to see you tomorrow, bye",
 ])
 def test_goodbye_en(text):
   assert chat.says_goodbye(text, "en")

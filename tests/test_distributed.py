@@ -10,7 +10,7 @@ from rlver_jax import distributed
 def calls(monkeypatch):
   for flag in ("_CPU_DEVICES", "_COORDINATOR"):  # flags left at their defaults, without parsing
     monkeypatch.setattr(distributed, flag, SimpleNamespace(value=None))
-  for name in ("TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "CLOUD_TPU_TASK_ID"):
+  for name in ("TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "CLOUD_TPU_TASK_ID", "JAX_PLATFORMS"):
     monkeypatch.delenv(name, raising=False)
   seen = []
   monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda *a, **k: seen.append((a, k)))
@@ -27,5 +27,13 @@ def test_tpu_chips_on_the_pci_bus_start_the_distributed_system(calls, monkeypatc
 def test_no_chips_no_variables_no_distributed_system(calls, monkeypatch):
   from jax._src import hardware_utils
   monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id", lambda: (0, None))
+  distributed.initialize()
+  assert calls == []
+
+
+def test_a_cpu_only_process_on_a_tpu_vm_stays_single(calls, monkeypatch):
+  from jax._src import hardware_utils
+  monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id", lambda: (4, None))
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   distributed.initialize()
   assert calls == []

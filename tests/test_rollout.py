@@ -316,7 +316,6 @@ def test_turns_ended_by_another_stop_id_are_closed_with_im_end(smol, tiny_policy
   assert closed_by_us > 0
   start = chat.tokenizer.convert_tokens_to_ids("<|im_start|>")
   for b in range(2):
-    assert not backend.truncated(b)  # stopped, not cut short
     tokens = backend.tokens[b]
     # Every <|im_start|> after the first opens a message right after a closed one.
     for i in [i for i, t in enumerate(tokens) if t == start][1:]:

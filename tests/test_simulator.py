@@ -85,6 +85,9 @@ def test_parse_change_exact(text, expected):
     ("Change: plus 2", 2),
     ("Change: increase 1", 1),
     ("Change: rise 5", 5),
+    ("Change: (+3)", 3),  # bracketed values
+    ("Change: [-2]", -2),
+    ("变化：（+4）", 4),
 ])
 def test_parse_change_worded_direction(text, expected):
   assert parse_change(text) == expected
@@ -448,37 +451,29 @@ def test_real_training_profiles_run_end_to_end(shared_dir):
 
 class NoReplyBackend(ScriptedBackend):
   """Scripted, except that the first `bad` opening/reply answers of row 0 are planning without a
-  usable reply line (`mode`: "none" no marker, "empty" a marker with nothing after it); `cut`
-  marks them as stopped by the token limit."""
+  usable reply line (`mode`: "none" no marker, "empty" a marker with nothing after it)."""
 
   PLAN = "Plan: never reveal the hidden theme (I want them to admit I was right), then say goodbye."
 
-  def __init__(self, bad: int, mode: str = "none", cut: bool = False, kinds=("reply",)):
+  def __init__(self, bad: int, mode: str = "none", kinds=("reply",)):
     super().__init__()
-    self.bad_left, self.mode, self.cut, self.kinds = bad, mode, cut, kinds
+    self.bad_left, self.mode, self.kinds = bad, mode, kinds
     self.calls: list[list[tuple[int, str]]] = []
-    self.last_bad = False
 
   def generate(self, requests):
     self.calls.append([(r.row, r.kind) for r in requests])
     out = super().generate(requests)
-    self.last_bad = False
     for i, r in enumerate(requests):
       retry = r.kind == "reply_retry"
       if r.row == 0 and (r.kind in self.kinds or retry) and self.bad_left > 0:
         self.bad_left -= 1
-        self.last_bad = True
         out[i] = self.PLAN + ("\nReply:" if self.mode == "empty" else "")
         self._histories[r.row][-1]["content"] = out[i]
     return out
 
-  def truncated(self, row):
-    return self.cut and row == 0 and self.last_bad
-
-
-@pytest.mark.parametrize("mode,cut", [("none", False), ("none", True), ("empty", False)])
-def test_a_reply_without_a_usable_line_is_asked_again(mode, cut):
-  backend = NoReplyBackend(bad=1, mode=mode, cut=cut)
+@pytest.mark.parametrize("mode", ["none", "empty"])
+def test_a_reply_without_a_usable_line_is_asked_again(mode):
+  backend = NoReplyBackend(bad=1, mode=mode)
   users = SimulatedUsers([_profile("deep_empathy"), _profile("no_fault")], backend,
                          start_emotion=40, max_turns=5)
   users.opening()
@@ -495,10 +490,10 @@ def test_a_reply_without_a_usable_line_is_asked_again(mode, cut):
 
 
 @pytest.mark.parametrize("retries", [0, 2])
-@pytest.mark.parametrize("mode,cut", [("none", False), ("none", True), ("empty", False)])
-def test_planning_never_reaches_the_policy(mode, cut, retries):
+@pytest.mark.parametrize("mode", ["none", "empty"])
+def test_planning_never_reaches_the_policy(mode, retries):
   # The plan names the hidden theme and says "goodbye": neither may leak nor end the dialogue.
-  backend = NoReplyBackend(bad=100, mode=mode, cut=cut)
+  backend = NoReplyBackend(bad=100, mode=mode)
   users = SimulatedUsers([_profile("deep_empathy")], backend, start_emotion=40, max_turns=5,
                          max_parse_retries=retries)
   users.opening()

@@ -65,9 +65,6 @@ class SimulatorBackend(Protocol):
   def is_full(self, row: int) -> bool:
     """Whether the row's context has no room left (its answers are then empty; the dialogue ends)."""
 
-  def truncated(self, row: int) -> bool:
-    """Whether the row's last answer was cut by the token limit before the model finished it."""
-
 
 class SimulatorBackendError(RuntimeError):
   """A backend could not produce an answer within its retry bound."""
@@ -102,9 +99,6 @@ class HistoryBackend:
 
   def is_full(self, row: int) -> bool:
     return False  # remote servers and the scripted rules have no context bound we track
-
-  def truncated(self, row: int) -> bool:
-    return False  # scripted answers are whole
 
 
 class ScriptedBackend(HistoryBackend):
@@ -178,25 +172,17 @@ class OpenAIChatBackend(HistoryBackend):
     return (f"OpenAIChatBackend(base_url={s.base_url!r}, model={s.model!r}, "
             f"api_key_env={s.api_key_env!r})")
 
-  def reset(self, num_rows: int) -> None:
-    super().reset(num_rows)
-    self._cut = [False] * num_rows
-
-  def truncated(self, row: int) -> bool:
-    return self._cut[row]
-
   def generate(self, requests: Sequence[SimRequest]) -> list[str]:
     self._extend(requests)
     bodies = [self._body(self._histories[r.row]) for r in requests]
-    answers = _on_process_zero(lambda: self._post_all(bodies))  # [text, finish_reason] pairs
+    answers = _on_process_zero(lambda: self._post_all(bodies))
     out = []
-    for r, (text, finish) in zip(requests, answers):
-      self._cut[r.row] = finish == "length"  # the server stopped at max_tokens
+    for r, text in zip(requests, answers):
       self._answer(r.row, text)
       out.append(text)
     return out
 
-  def _post_all(self, bodies: list[bytes]) -> list[list]:
+  def _post_all(self, bodies: list[bytes]) -> list[str]:
     workers = min(self.settings.max_concurrency, max(len(bodies), 1))
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
       return list(pool.map(self._post_with_retries, bodies))
@@ -207,7 +193,7 @@ class OpenAIChatBackend(HistoryBackend):
                "top_p": s.top_p, "max_tokens": s.max_tokens}
     return json.dumps(payload, ensure_ascii=False).encode("utf-8")
 
-  def _post_with_retries(self, body: bytes) -> list:
+  def _post_with_retries(self, body: bytes) -> str:
     s = self.settings
     problem = "no attempt made"
     for attempt in range(s.max_attempts):
@@ -220,7 +206,7 @@ class OpenAIChatBackend(HistoryBackend):
     raise SimulatorBackendError(self._scrub(
         f"POST {self._path} failed after {s.max_attempts} attempts: {problem}"))
 
-  def _post_once(self, body: bytes) -> list:
+  def _post_once(self, body: bytes) -> str:
     headers = {"Content-Type": "application/json"}
     key = os.environ.get(self.settings.api_key_env, "")
     if key:
@@ -273,9 +259,9 @@ def _on_process_zero(fetch: Callable[[], list]) -> list:
   return payload["answers"]
 
 
-def _content(raw: bytes) -> list:
-  """[choices[0].message.content, choices[0].finish_reason] of a response body (finish_reason None
-  when absent); malformed bodies are retryable failures."""
+def _content(raw: bytes) -> str:
+  """choices[0].message.content of a response body; malformed bodies are retryable failures.
+  (An answer cut at max_tokens needs no flag: without its reply line it is re-asked anyway.)"""
   try:
     data = json.loads(raw.decode("utf-8"))
   except (UnicodeDecodeError, json.JSONDecodeError):
@@ -286,5 +272,4 @@ def _content(raw: bytes) -> list:
     raise _Retryable("response lacks choices[0].message.content") from None
   if not isinstance(content, str):
     raise _Retryable("choices[0].message.content is not a string")
-  finish = data["choices"][0].get("finish_reason") if isinstance(data["choices"][0], dict) else None
-  return [content, finish if isinstance(finish, str) else None]
+  return content

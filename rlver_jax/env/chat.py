@@ -107,9 +107,10 @@ def parse_policy_output(text: str, think: bool) -> PolicyTurn:
 # --- Goodbye detection --------------------------------------------------------------------------
 
 # 再见 is also "see again" (不想再见他, 再见到, 还能再见吗), so 再见/拜拜 only count at a clause end: after
-# optional particles (了, 啦, 吧, ~, ...) comes the end of the text or a mark that is no word
-# character and no question mark (punctuation, space, emoji).
-_ZH_GOODBYE = re.compile(r"(?:再见|拜拜)(?:[了啦咯喽哦噢喔呀啊吧哈嘛~～])*(?![\w?？])")
+# optional particles (了, 啦, 吧, ~, ...) and an optional address (朋友们, 大家, 您嘞, ...) comes the end
+# of the text or a mark that is no word character and no question mark (punctuation, space, emoji).
+_ZH_GOODBYE = re.compile(
+    r"(?:再见|拜拜)(?:[了啦咯喽哦噢喔呀啊吧哈嘛~～])*(?:朋友们?|大家|各位|宝贝|亲爱的|您嘞|您|你|啦)?(?![\w?？])")
 # Negated, wished-for or reported: 不想再见了, 还能再见, 没来得及跟她说再见.
 _ZH_NOT_SAYING = re.compile(
     r"(?:不想|不愿意?|不要|不会|不能|不用|不必|没有?|没能|没来得及|别|舍不得|还能|还会|能不能|会不会|希望|期待)"
@@ -137,7 +138,9 @@ _CLAUSE_END_AFTER = re.compile(
 _NEEDS_CLAUSE_END = re.compile(r"^(?:see|take|talk)\b", re.IGNORECASE)
 # ... nor when negated or wished for: "I never want to see you again", "nice to see you", "won't
 # see you", "will I ever see you again?".
-_UNWILLING_BEFORE = re.compile(r"(?:\b(?:i|never|not|no|ever|to|wanna)|n['’]t)\s+$", re.IGNORECASE)
+_UNWILLING_BEFORE = re.compile(
+    r"(?:\b(?:i|never|not|no|ever|wanna)|\b(?:nice|good|great|glad|happy|want|wanted|like|love|hope|"
+    r"wish|longing)\s+to|n['’]t)\s+$", re.IGNORECASE)
 
 
 def _is_english_farewell(text: str) -> bool:

@@ -32,7 +32,6 @@ class ModelBackend(HistoryBackend):
     self.cache = None
     self.logits = None
     self.closed: list[bool] = []  # per row: whether the last generated turn ended with <|im_end|>
-    self.stopped: list[bool] = []  # per row: whether it ended with any stop id (not cut short)
     self.tokens: list[list[int]] = []  # per row: every token id in its cache, in order
     self.full: list[bool] = []  # per row: a request did not fit; the row answers "" from then on
     self.generated_tokens = 0
@@ -46,15 +45,11 @@ class ModelBackend(HistoryBackend):
     self.cache = self.cache.with_lengths(np.zeros(rows, np.int32))
     self.logits = self.sampler.empty_logits(rows)
     self.closed = [True] * num_rows
-    self.stopped = [True] * num_rows
     self.tokens = [[] for _ in range(num_rows)]
     self.full = [False] * num_rows
 
   def is_full(self, row: int) -> bool:
     return self.full[row]
-
-  def truncated(self, row: int) -> bool:
-    return not self.full[row] and not self.stopped[row]
 
   def reseed(self, key: jax.Array) -> None:
     """Sets the sampling key; the trainer derives it from the run's state so a resume repeats it."""
@@ -105,7 +100,6 @@ class ModelBackend(HistoryBackend):
       self.tokens[r.row] += ids
       # Only <|im_end|> closes a turn; one cut short or ended by <|endoftext|> gets it appended next.
       self.closed[r.row] = ids[-1:] == [self.chat.im_end]
-      self.stopped[r.row] = bool(res.stopped[r.row])
       self.generated_tokens += len(ids)
       text = self.chat.decode(ids, skip_special_tokens=True).strip()
       self._answer(r.row, text)

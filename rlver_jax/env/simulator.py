@@ -39,8 +39,8 @@ _CHANGE_LABEL = re.compile(
 _SIGNS = "+\\-−－＋﹢﹣–"
 _MINUS = "-−－﹣–"
 _FULLWIDTH_DIGITS = str.maketrans("０１２３４５６７８９", "0123456789")
-# Markdown, quotes and spaces a model may wrap around the value.
-_DECOR = " \t\u3000*_`\"'“”‘’「」"
+# Markdown, quotes, opening brackets and spaces a model may wrap around the value.
+_DECOR = " \t\u3000*_`\"'“”‘’「」([（【［"
 # Direction words. Single characters (升, 减, ...) only count right before the number: after it
 # they are too often part of another word (减轻 "eases" is good news).
 _UP = r"上升|增加|提高|提升|上涨|升高|(?:up|plus|increase[sd]?|increasing|rise[sn]?|rose|rising)(?![a-z])"

@@ -350,26 +350,8 @@ class SimulatedUsers:
 
   def _emotion_step(self, recs: list[UserState]):
     """Runs the analysis, re-asking only the rows whose change line could not be parsed."""
-    changes: dict[int, int | None] = {}
-    failures = {rec.row: 0 for rec in recs}
-    analyses: dict[int, str] = {}
-    pending, kind = recs, "emotion"
-    for attempt in range(self.max_parse_retries + 1):
-      texts = self._generate(pending, kind)
-      failed = []
-      for rec, text in zip(pending, texts):
-        analyses[rec.row] = text
-        changes[rec.row] = parse_change(text)
-        if changes[rec.row] is None and not self._full(rec.row):  # full: nothing to retry
-          failures[rec.row] += 1
-          rec.parse_failures += 1
-          failed.append(rec)
-      if not failed or attempt == self.max_parse_retries:
-        break
-      for rec in failed:
-        rec.messages.append({"role": "user", "content": prompts.retry_instruction(rec.language)})
-      pending, kind = failed, "retry"
-    return changes, failures, analyses
+    return self._ask(recs, "emotion", "retry", parse_change, prompts.retry_instruction,
+                     "parse_failures")
 
   def _speak(self, recs: list[UserState], kind: str):
     """Generates user lines, re-asking only the rows whose answer had no usable reply line.
@@ -378,25 +360,35 @@ class SimulatedUsers:
     is full) and the failures per row. A truncated answer is treated like any other: if it holds a
     reply marker the (possibly cut) line after it is used, else the row is asked again.
     """
-    lines: dict[int, str | None] = {}
+    lines, failures, _ = self._ask(recs, kind, "reply_retry", extract_reply,
+                                   prompts.reply_retry_instruction, "reply_failures")
+    return lines, failures
+
+  def _ask(self, recs: list[UserState], kind: str, retry_kind: str, parse, retry_prompt,
+           counter: str):
+    """Generates for `recs`, then re-asks (up to `max_parse_retries` times, a `retry_prompt` in the
+    row's append-only context) only the rows whose answer `parse` turns into None. A full row is
+    not retried. Returns (parsed by row, failures by row this call, last text by row); each failure
+    also adds 1 to the row's `counter` attribute."""
+    parsed: dict[int, object] = {}
     failures = {rec.row: 0 for rec in recs}
+    texts: dict[int, str] = {}
     pending = recs
     for attempt in range(self.max_parse_retries + 1):
-      texts = self._generate(pending, kind)
       failed = []
-      for rec, text in zip(pending, texts):
-        lines[rec.row] = extract_reply(text)
-        if lines[rec.row] is None and not self._full(rec.row):  # full: nothing to retry
+      for rec, text in zip(pending, self._generate(pending, kind)):
+        texts[rec.row] = text
+        parsed[rec.row] = parse(text)
+        if parsed[rec.row] is None and not self._full(rec.row):  # full: nothing to retry
           failures[rec.row] += 1
-          rec.reply_failures += 1
+          setattr(rec, counter, getattr(rec, counter) + 1)
           failed.append(rec)
       if not failed or attempt == self.max_parse_retries:
         break
       for rec in failed:
-        rec.messages.append({"role": "user",
-                             "content": prompts.reply_retry_instruction(rec.language)})
-      pending, kind = failed, "reply_retry"
-    return lines, failures
+        rec.messages.append({"role": "user", "content": retry_prompt(rec.language)})
+      pending, kind = failed, retry_kind
+    return parsed, failures, texts
 
   def _silent(self, rec: UserState) -> str:
     """The line shown in place of a reply that never came (counted unless the context is full)."""

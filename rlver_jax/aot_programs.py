@@ -33,8 +33,8 @@ from rlver_jax.rl.update import Updater, make_optimizer
 from rlver_jax.sampling.kv_cache import KVCache, default_layout
 from rlver_jax.sampling.sampler import DEFAULT_APPEND_BUCKETS, Sampler, bucket
 from rlver_jax.sampling.strategies import SamplingParams
-from rlver_jax.shapes import SEQ_MULTIPLE, round_up, shape_bucket
-from rlver_jax.sharding import DEFAULT_RULES, ShardingRules, batch_shards
+from rlver_jax.shapes import SEQ_MULTIPLE, shape_bucket
+from rlver_jax.sharding import DEFAULT_RULES, ShardingRules, batch_shards, padded_batch
 
 Program = Callable[[ml_collections.ConfigDict, Mesh], tuple[Callable[..., Any], tuple[Any, ...]]]
 
@@ -212,8 +212,7 @@ def packed_length(config: ml_collections.ConfigDict) -> int:
 def rollout_rows(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> int:
   """KV-cache rows of a training rollout: the dialogues, padded to the batch shards like
   `Sampler.padded_rows`."""
-  n = num_dialogues(config)
-  return n if mesh is None else round_up(n, batch_shards(mesh))
+  return padded_batch(num_dialogues(config), mesh)
 
 
 def _sampler_role(config: ml_collections.ConfigDict, role: str, mesh: Mesh | None = None):

@@ -38,11 +38,18 @@ def mesh_from(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
     raise ConfigError(f"config.mesh: {e}") from e
 
 
-def resolve_checkpoint(path: str, key: str) -> str:
-  """'embedded' -> the converted embedded model; otherwise the path, which must exist."""
+def checkpoint_dir(path: str) -> str:
+  """The directory a checkpoint setting names: 'embedded' is the converted embedded model."""
   if path == "embedded":
     from rlver_jax.models.embedded import embedded_model_dir
     return embedded_model_dir()
+  return path
+
+
+def resolve_checkpoint(path: str, key: str) -> str:
+  """'embedded' -> the converted embedded model; otherwise the path, which must exist."""
+  if path == "embedded":
+    return checkpoint_dir(path)
   if not path:
     raise ConfigError(f"config.{key} is empty: give an HF safetensors directory or 'embedded'")
   if not path.startswith("gs://") and not os.path.isdir(path):

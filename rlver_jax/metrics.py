@@ -59,9 +59,8 @@ class MetricsWriter:
     if not self.enabled:
       return
     rows = self.history()
-    new = {k: _scalar(v) for k, v in metrics.items()}
-    if merge:
-      new = {**next((r for r in rows if r.get("step") == step), {}), **new}
+    scalars = {k: _scalar(v) for k, v in metrics.items()}
+    new = {**next((r for r in rows if r.get("step") == step), {}), **scalars} if merge else scalars
     row = {"step": step, **{k: v for k, v in sorted(new.items()) if k != "step"}}
     lines = [json.dumps(r) for r in rows if r.get("step", 0) < step] + [json.dumps(row)]
     self._replace(self.path, "\n".join(lines) + "\n")
@@ -71,8 +70,7 @@ class MetricsWriter:
       from tensorboardX import SummaryWriter
       self._tb = SummaryWriter(str(self.workdir / "tensorboard"), purge_step=step)
     if self._tb is not None:
-      for k, v in metrics.items():
-        v = _scalar(v)
+      for k, v in scalars.items():  # only this call's metrics: merged ones were added before
         if isinstance(v, float):
           self._tb.add_scalar(k, v, step)
       self._tb.flush()

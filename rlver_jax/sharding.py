@@ -15,6 +15,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rlver_jax.shapes import round_up
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 MeshAxes = str | tuple[str, ...] | None
@@ -111,6 +113,13 @@ DEFAULT_RULES = ShardingRules((
 def batch_shards(mesh: Mesh, rules: ShardingRules | None = None) -> int:
   """How many ways the "batch" logical axis is split on `mesh` (data x fsdp by default)."""
   return math.prod(mesh.shape[a] for a in (rules or DEFAULT_RULES).mesh_axes("batch"))
+
+
+def padded_batch(rows: int, mesh: Mesh | None) -> int:
+  """`rows` rounded up to a multiple of the batch shards. A batch they do not divide is sharded
+  over fewer devices or replicated (a 72B simulator's 16k-slot cache of 20 rows on 32 chips: the
+  whole 100 GiB on every chip), so rollout caches are padded with inactive rows to this."""
+  return rows if mesh is None else round_up(rows, batch_shards(mesh))
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None],

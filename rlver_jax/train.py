@@ -32,6 +32,7 @@ from rlver_jax.shapes import SEQ_MULTIPLE, shape_bucket
 from rlver_jax.sharding import DEFAULT_RULES, batch_shards, global_array, host_array
 from rlver_jax.train_checks import check_training_config
 
+
 @dataclasses.dataclass
 class Packed:
   """Samples padded into [N, T] arrays (N a multiple of the micro-batch layout)."""

@@ -95,12 +95,9 @@ def _input_checkpoints(config: ml_collections.ConfigDict) -> dict[str, str]:
   out = {}
   for key in ("policy.checkpoint", "critic.checkpoint", "simulator.checkpoint"):
     section, name = key.split(".")
-    path = config.get(section, {}).get(name) if section in config else None
-    if path == "embedded":
-      from rlver_jax.models.embedded import embedded_model_dir
-      path = embedded_model_dir()
+    path = config.get(section, {}).get(name)
     if path:
-      out[key] = str(path)
+      out[key] = build.checkpoint_dir(str(path))
   return out
 
 

@@ -24,8 +24,7 @@ from flax import nnx
 from rlver_jax.models.qwen2 import Qwen2
 from rlver_jax.sampling.kv_cache import KVCache, Layout, default_layout
 from rlver_jax.sampling.strategies import SamplingParams, sample
-from rlver_jax.shapes import round_up
-from rlver_jax.sharding import DEFAULT_RULES, batch_shards, host_array as _host
+from rlver_jax.sharding import DEFAULT_RULES, host_array as _host, padded_batch
 
 
 DEFAULT_APPEND_BUCKETS = (16, 64, 256, 1024)
@@ -152,10 +151,8 @@ class Sampler:
                            donate_argnums=(2,))
 
   def padded_rows(self, rows: int) -> int:
-    """`rows` rounded up to a multiple of the mesh's batch shards (data x fsdp). A cache of a
-    batch they do not divide is sharded over fewer devices or replicated (the whole cache on every
-    chip: at 72B, 16k slots and 20 rows, 100 GiB per chip); callers pad with inactive rows."""
-    return rows if self.mesh is None else round_up(rows, batch_shards(self.mesh))
+    """Cache rows for `rows` dialogues on this sampler's mesh (`sharding.padded_batch`)."""
+    return padded_batch(rows, self.mesh)
 
   def init_cache(self, batch: int) -> KVCache:
     return KVCache.allocate(self.config, batch, self.max_len, self.cache_dtype, self.mesh,

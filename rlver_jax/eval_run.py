@@ -26,6 +26,7 @@ from rlver_jax.env.profiles import Profile
 from rlver_jax.env.rollout import Dialogue, RolloutConfig, run_dialogues
 from rlver_jax.env.simulator import SimulatedUsers
 from rlver_jax.models.tokenizer import ChatTokens
+from rlver_jax.process_zero import on_process_zero
 from rlver_jax.sampling.sampler import Sampler
 
 SUMMARY_FILE = "eval_summary.json"
@@ -141,7 +142,8 @@ def write_outputs(workdir: str, dialogues: Sequence[Dialogue], summary: dict,
   root = epath.Path(workdir)
   paths = {"summary": root / SUMMARY_FILE, "transcripts": root / TRANSCRIPTS_FILE,
            "plot": root / PLOT_FILE, "config": root / CONFIG_FILE}
-  if jax.process_index() == 0:
+
+  def write() -> None:
     root.mkdir(parents=True, exist_ok=True)
     paths["summary"].write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     paths["transcripts"].write_text(
@@ -150,6 +152,7 @@ def write_outputs(workdir: str, dialogues: Sequence[Dialogue], summary: dict,
              f"failure {summary['failure_rate']:.0%}, {summary['num_dialogues']} dialogues")
     paths["plot"].write_bytes(plot_trajectories(dialogues, title))
     paths["config"].write_text(config.to_json(indent=2, sort_keys=True) + "\n")
+  on_process_zero(f"writing the evaluation's outputs under {root}", write)
   return {k: str(v) for k, v in paths.items()}
 
 

@@ -31,10 +31,12 @@ def main(argv):
   distributed.initialize()
   from rlver_jax import eval_run  # after distributed init: imports may touch devices
   from rlver_jax.env.backends import SimulatorBackendError
+  from rlver_jax.process_zero import ProcessZeroError
   try:
     summary, paths = eval_run.run(_CONFIG.value, _WORKDIR.value)
-  # Bad input, or a simulator that cannot answer within its retry bound: one line, non-zero exit.
-  except (ValueError, FileNotFoundError, SimulatorBackendError) as e:
+  # Bad input, an unwritable workdir, or a simulator that cannot answer within its retry bound (on
+  # any host): one line, non-zero exit.
+  except (ValueError, OSError, SimulatorBackendError, ProcessZeroError) as e:
     logging.debug("error", exc_info=True)
     sys.exit(f"error: {e}")
   print(f"\nscore {summary['score']:.1f}  success {summary['success_rate']:.0%}  "

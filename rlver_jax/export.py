@@ -31,10 +31,11 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   distributed.initialize()
   from rlver_jax import trained_policy  # after distributed init, as in main.py
+  from rlver_jax.process_zero import ProcessZeroError
   try:
     step = trained_policy.export(_WORKDIR.value, _OUT.value, step=_STEP.value,
                                  overwrite=_OVERWRITE.value, dtype=_DTYPE.value)
-  except (ValueError, FileNotFoundError, FileExistsError) as e:  # bad input: one line, non-zero exit
+  except (ValueError, OSError, ProcessZeroError) as e:  # bad input or --out: one line, exit 1
     logging.debug("error", exc_info=True)
     sys.exit(f"error: {e}")
   print(f"exported step {step} of {_WORKDIR.value} to {_OUT.value}")

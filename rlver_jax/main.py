@@ -38,13 +38,15 @@ def main(argv):
   distributed.initialize()
   from rlver_jax import train  # after distributed init: imports may touch devices
   from rlver_jax.env.backends import SimulatorBackendError
+  from rlver_jax.process_zero import ProcessZeroError
   from rlver_jax.models import storage
   storage.point_clients_at_emulator()
   workdir = _WORKDIR.value or _default_workdir()
   try:
     paths = train.run(_CONFIG.value, workdir)
-  # Bad input, or a simulator that cannot answer within its retry bound: one line, non-zero exit.
-  except (ValueError, FileNotFoundError, SimulatorBackendError) as e:
+  # Bad input, an unwritable workdir, or a simulator that cannot answer within its retry bound (on
+  # any host): one line, non-zero exit.
+  except (ValueError, OSError, SimulatorBackendError, ProcessZeroError) as e:
     logging.debug("error", exc_info=True)
     sys.exit(f"error: {e}")
   if jax.process_index() != 0:  # one summary per run, not one per host

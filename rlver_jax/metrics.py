@@ -1,5 +1,6 @@
 """Run outputs: WORKDIR/metrics.jsonl (one line per step), TensorBoard events, transcripts and a
-reward plot. Only process 0 writes; other hosts get no-op writers."""
+reward plot. Only process 0 writes; every process calls each method at the same point, so a failed
+write stops all hosts together (`process_zero.on_process_zero`)."""
 from __future__ import annotations
 
 import io
@@ -11,6 +12,8 @@ from typing import Any
 import jax
 from absl import logging
 from etils import epath
+
+from rlver_jax.process_zero import on_process_zero
 
 
 def _scalar(v: Any) -> Any:
@@ -29,9 +32,8 @@ class MetricsWriter:
     self.transcripts = self.workdir / "transcripts"
     self._tb = None
     self._tensorboard = tensorboard and self.enabled
-    if self.enabled:
-      self.workdir.mkdir(parents=True, exist_ok=True)
-      self.transcripts.mkdir(parents=True, exist_ok=True)
+    on_process_zero(f"creating {self.transcripts}",
+                    lambda: self.transcripts.mkdir(parents=True, exist_ok=True))
 
   def history(self) -> list[dict]:
     """The metrics lines already written (a resumed run appends after them).
@@ -56,8 +58,9 @@ class MetricsWriter:
   def write(self, step: int, metrics: dict[str, Any], *, merge: bool = False) -> None:
     """Writes `step`'s row, dropping rows of later steps (a resumed run redoes them); with `merge`
     the metrics are added to the row already written for `step`."""
-    if not self.enabled:
-      return
+    on_process_zero(f"writing {self.path}", lambda: self._write(step, metrics, merge))
+
+  def _write(self, step: int, metrics: dict[str, Any], merge: bool) -> None:
     rows = self.history()
     scalars = {k: _scalar(v) for k, v in metrics.items()}
     new = {**next((r for r in rows if r.get("step") == step), {}), **scalars} if merge else scalars
@@ -87,15 +90,16 @@ class MetricsWriter:
     os.replace(tmp, path)
 
   def write_transcripts(self, step: int, transcripts: list[dict]) -> epath.Path | None:
-    if not self.enabled:
-      return None
     path = self.transcripts / f"step_{step:06d}.jsonl"
-    path.write_text("".join(json.dumps(t, ensure_ascii=False) + "\n" for t in transcripts))
-    return path
+    text = "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in transcripts)
+    on_process_zero(f"writing {path}", lambda: path.write_text(text))
+    return path if self.enabled else None
 
   def plot_rewards(self) -> epath.Path | None:
-    if not self.enabled:
-      return None
+    """Writes WORKDIR/reward.png; returns its path (None on other processes or before any step)."""
+    return on_process_zero(f"writing {self.workdir / 'reward.png'}", self._plot_rewards)
+
+  def _plot_rewards(self) -> epath.Path | None:
     rows = self.history()
     if not rows:
       return None

@@ -19,6 +19,7 @@ from etils import epath
 from rlver_jax.env import simulator_prompts as sim_prompts
 from rlver_jax.env.chat import policy_system_prompt
 from rlver_jax.env.profiles import Profile
+from rlver_jax.process_zero import on_process_zero
 from rlver_jax.run_config import ConfigConflictError
 
 # A fixed stand-in persona: the fingerprint covers the templates, not any profile's content.
@@ -96,7 +97,9 @@ def check(config: ml_collections.ConfigDict, workdir: str,
 def append(workdir: str, now: dict) -> None:
   """Adds this start to WORKDIR/provenance.json (a list: the first start, then each resume)."""
   path = epath.Path(workdir) / "provenance.json"
-  if jax.process_index() == 0:
+
+  def write() -> None:
     history = json.loads(path.read_text()) if path.exists() else []
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(history + [now], indent=2) + "\n")
+  on_process_zero(f"writing {path}", write)

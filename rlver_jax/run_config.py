@@ -97,9 +97,12 @@ def write_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> Non
     # reads a half-written file).
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("rlver_jax:write_workdir_config")
-  if jax.process_index() == 0:
+  from rlver_jax.process_zero import on_process_zero
+
+  def write() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(config.to_json(indent=2, sort_keys=True) + "\n")
+  on_process_zero(f"writing {path}", write)
 
 
 def parse_flags(argv: list[str]) -> list[str]:

@@ -176,6 +176,75 @@ def test_a_workdir_not_shared_by_the_hosts_is_refused(tmp_path):
   assert not list(tmp_path.glob("disk*/run/.shared-check-*"))
 
 
+def test_a_write_failing_on_process_0_stops_every_host_at_once(tmp_path):
+  # Process 0 cannot write metrics.jsonl (its temp file's name is taken by a directory). The other
+  # host used to wait in the next collective until the coordination service aborted both, ~5 min
+  # later, with a "shutdown barrier" error and no word of the cause.
+  world = tiny_world.make_world(tmp_path / "world")
+  workdir = tmp_path / "run"
+  (workdir / "metrics.jsonl.tmp").mkdir(parents=True)
+  procs = _launch(world, workdir, processes=2, devices=1, steps=3, logs=tmp_path)
+  logs = [tmp_path / f"run.{i}.log" for i in range(2)]
+  for p in procs:
+    p.wait(timeout=TIMEOUT_S)
+  last = [[l for l in log.read_text().splitlines() if l.strip()][-1] for log in logs]
+  assert [p.returncode for p in procs] == [1, 1], last
+  assert last[0] == f"error: [Errno 21] Is a directory: '{workdir}/metrics.jsonl.tmp'"
+  assert last[1] == (f"error: process 0 failed writing {workdir}/metrics.jsonl: IsADirectoryError: "
+                     f"[Errno 21] Is a directory: '{workdir}/metrics.jsonl.tmp'")
+
+
+_EXPORT_WORKER = r"""
+import sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+import jax.numpy as jnp
+from rlver_jax.models import create_model, export_pretrained, safetensors_io
+from rlver_jax.models.presets import Qwen2Config
+from rlver_jax.process_zero import ProcessZeroError
+from rlver_jax.sharding import MeshConfig, make_mesh
+
+cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                  num_kv_heads=1, head_dim=16, tie_word_embeddings=True, qkv_bias=True,
+                  eos_token_id=1, pad_token_id=0)
+model = create_model(cfg, mesh=make_mesh(MeshConfig(fsdp=2)), dtype=jnp.float32, seed=0)
+if jax.process_index() == 0:  # the disk fills up half-way through the second shard
+  write_file, calls = safetensors_io.write_file, []
+  def failing(path, entries, arrays):
+    calls.append(path)
+    if len(calls) == 2:
+      next(iter(arrays))
+      raise OSError(28, "No space left on device", path)
+    return write_file(path, entries, arrays)
+  safetensors_io.write_file = failing
+try:
+  export_pretrained(model, cfg, sys.argv[3], max_shard_bytes=20_000)
+  print("RESULT exported", flush=True)
+except (OSError, ProcessZeroError) as e:
+  print(f"RESULT {type(e).__name__}: {e}", flush=True)
+"""
+
+
+def test_an_export_failing_on_process_0_mid_shard_stops_every_host(tmp_path):
+  # Process 0 writes while every process joins each tensor's gather: a write that fails after
+  # one tensor must still take part in the gathers the others run for the rest of its shard.
+  from gcs_emulator import free_port
+  coordinator = f"127.0.0.1:{free_port()}"
+  out = tmp_path / "hf"
+  logs = [tmp_path / f"export.{i}.log" for i in range(2)]
+  procs = [_start(["-c", _EXPORT_WORKER, coordinator, str(i), str(out)], logs[i]) for i in range(2)]
+  _wait(procs, logs)
+  results = [l.split("RESULT ", 1)[1] for log in logs for l in log.read_text().splitlines()
+             if l.startswith("RESULT ")]
+  written = [p.name for p in out.glob("model-*.safetensors")]  # only the first shard
+  assert len(written) == 1 and written[0].startswith("model-00001-of-"), written
+  shard = out / written[0].replace("model-00001-", "model-00002-")
+  assert results == [f"OSError: [Errno 28] No space left on device: '{shard}'",
+                     f"ProcessZeroError: process 0 failed writing {shard}: OSError: [Errno 28] "
+                     f"No space left on device: '{shard}'"], results
+
+
 def _leaves(tree) -> list[tuple[str, np.ndarray]]:
   return [(jax.tree_util.keystr(k), x) for k, x in jax.tree_util.tree_leaves_with_path(tree)]
 

@@ -20,6 +20,7 @@ slice is written in place by a jitted, donated `at[i].set`. Export gathers one l
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -38,6 +39,7 @@ from rlver_jax.models import safetensors_io as st
 from rlver_jax.models import storage
 from rlver_jax.models.factory import abstract_model, state_shardings
 from rlver_jax.models.presets import Qwen2Config, from_hf_config, to_hf_config
+from rlver_jax.process_zero import on_process_zero
 from rlver_jax.models.qwen2 import Head, ParamSpec, Qwen2, RematPolicy, param_specs
 from rlver_jax.sharding import DEFAULT_RULES, ShardingRules
 
@@ -211,7 +213,7 @@ def export_pretrained(model: Qwen2, config: Qwen2Config, out_dir: str, *, tokeni
                      f"this model has head={model.head!r}")
   out_dir = str(out_dir)
   writer = jax.process_index() == 0
-  _prepare_out_dir(out_dir, overwrite, writer)
+  _prepare_out_dir(out_dir, overwrite)
   params = {_key(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   out_dtype = np.dtype(params["embed"].dtype if dtype is None else dtype)
   code = st.dtype_code(out_dtype)
@@ -229,15 +231,19 @@ def export_pretrained(model: Qwen2, config: Qwen2Config, out_dir: str, *, tokeni
 
   start = 0
   for shard, name in zip(shards, names):
-    shard_items = items[start:start + len(shard)]
+    tensors = arrays(items[start:start + len(shard)])
     start += len(shard)
-    if writer:
-      _write_out(out_dir, name, lambda p, s=shard, it=shard_items: st.write_file(p, s, arrays(it)))
-    else:
-      for _ in arrays(shard_items):  # Every process joins each gather.
-        pass
 
-  if writer:
+    def write_shard(shard=shard, name=name, tensors=tensors) -> None:
+      try:
+        _write_out(out_dir, name, lambda p: st.write_file(p, shard, tensors))
+      finally:  # the gathers a failed write did not reach: the other processes join every one
+        collections.deque(tensors, maxlen=0)
+    if not writer:
+      collections.deque(tensors, maxlen=0)  # every process joins each gather
+    on_process_zero(f"writing {storage.join(out_dir, name)}", write_shard)
+
+  def write_rest() -> None:
     if len(shards) > 1:
       index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
                "weight_map": {e.name: n for shard, n in zip(shards, names) for e in shard}}
@@ -246,8 +252,7 @@ def export_pretrained(model: Qwen2, config: Qwen2Config, out_dir: str, *, tokeni
     _write_text(out_dir, CONFIG_FILE, json.dumps(hf_config, indent=2))
     if tokenizer_dir is not None:
       _copy_tokenizer(str(tokenizer_dir), out_dir)
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices("export_pretrained")
+  on_process_zero(f"writing the index, config and tokenizer into {out_dir}", write_rest)
 
 
 def _export_order(mappings: dict[str, _Mapping], config: Qwen2Config) -> list[tuple[str, int | None]]:
@@ -271,17 +276,19 @@ def _fetch(x: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _prepare_out_dir(out_dir: str, overwrite: bool, writer: bool) -> None:
+def _prepare_out_dir(out_dir: str, overwrite: bool) -> None:
   existing = storage.list_dir(out_dir)
   if existing and not overwrite:
     raise FileExistsError(f"{out_dir}: output directory is not empty ({len(existing)} entries); "
                           "pass overwrite=True to write over it")
-  if writer:
+
+  def prepare() -> None:
     storage.make_dirs(out_dir)
     # Overwriting: stale shards of an earlier export (another shard count) must not survive.
     for name in existing:
       if name.endswith(".safetensors") or name == st.INDEX_FILE:
         storage.remove(storage.join(out_dir, name))
+  on_process_zero(f"preparing {out_dir}", prepare)
 
 
 def _write_out(out_dir: str, name: str, write: Callable[[str], None]) -> None:

@@ -70,10 +70,20 @@ class ShardingRules:
     """PartitionSpec for an array with these logical axes.
 
     With `shape` and `mesh`, a mesh axis is dropped from a dimension it does not divide (e.g. 2 KV heads
-    on a 4-way tensor axis are replicated instead), so every preset fits every mesh.
+    on a 4-way tensor axis are replicated instead), so every preset fits every mesh; `dropped` says
+    which.
     """
+    return self._assign(logical_axes, shape, mesh)[0]
+
+  def dropped(self, logical_axes: Sequence[str | None], shape: Sequence[int],
+              mesh: Mesh) -> list[tuple[str, int, str]]:
+    """(logical axis, its size, mesh axis) for each mesh axis `spec` leaves out because it does not
+    divide the dimension: that dimension is replicated over the axis instead of split."""
+    return self._assign(logical_axes, shape, mesh)[1]
+
+  def _assign(self, logical_axes, shape, mesh) -> tuple[PartitionSpec, list[tuple[str, int, str]]]:
     used: set[str] = set()
-    out = []
+    out, dropped = [], []
     for i, name in enumerate(logical_axes):
       kept = []
       for ax in self.mesh_axes(name):
@@ -82,11 +92,13 @@ class ShardingRules:
         if mesh is not None and shape is not None:
           size = math.prod(mesh.shape[a] for a in kept + [ax])
           if shape[i] % size:
+            if mesh.shape[ax] > 1:
+              dropped.append((name, shape[i], ax))
             continue
         kept.append(ax)
       used.update(kept)
       out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
-    return PartitionSpec(*out)
+    return PartitionSpec(*out), dropped
 
   def sharding(self, mesh: Mesh, logical_axes: Sequence[str | None],
                shape: Sequence[int]) -> NamedSharding:

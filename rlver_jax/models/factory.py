@@ -4,8 +4,11 @@ No parameter ever exists in full on one device or on the host unless the mesh it
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -26,11 +29,34 @@ def abstract_model(config: Qwen2Config, *, head: Head = "lm", param_dtype=jnp.fl
 
 
 def state_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> nnx.State:
-  """A State of the same structure whose leaves are NamedShardings derived from `logical_axes`."""
+  """A State of the same structure whose leaves are NamedShardings derived from `logical_axes`.
+
+  Logs a warning when the mesh does not divide a dimension its rule shards (e.g. Qwen2.5-7B's 28
+  query heads on tensor=8): those weights are replicated over that axis, costing memory on every
+  chip and repeating their matmuls.
+  """
+  dropped = {}
+
   def one(v: nnx.Variable):
     axes = v.get_metadata().get("logical_axes", (None,) * len(v.shape))
+    for name, size, ax in rules.dropped(axes, v.shape, mesh):
+      dropped.setdefault((name, size, ax), []).append(v)
     return v.replace(rules.sharding(mesh, axes, v.shape))
-  return jax.tree.map(one, state, is_leaf=_is_var)
+  out = jax.tree.map(one, state, is_leaf=_is_var)
+  for (name, size, ax), vs in sorted(dropped.items()):
+    _warn_once(f"{ax}={mesh.shape[ax]} does not divide {name} ({size}): {len(vs)} param(s) "
+               f"({sum(math.prod(v.shape) for v in vs) / 1e6:.1f}M values) replicated over {ax}; "
+               f"a config.mesh.{ax} that divides {size} would shard them")
+  return out
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:  # policy, critic and simulator often share one shape
+  if message not in _WARNED:
+    _WARNED.add(message)
+    logging.warning("sharding: %s", message)
 
 
 def create_model(config: Qwen2Config, *, mesh: Mesh | None = None, rules: ShardingRules = DEFAULT_RULES,

@@ -1,16 +1,19 @@
 """Sampler invariants: HF greedy parity, cached == full forward, append == re-prefill, compile counts,
 sampling distributions, and mesh independence; the cache invariants for both KV layouts."""
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hf_checkpoints import make_hf_checkpoint
 from rlver_jax.models import load_pretrained
 from rlver_jax.sampling.kv_cache import LAYOUTS
 from rlver_jax.sampling.sampler import Sampler, window_buckets
-from rlver_jax.sampling.strategies import SamplingParams, filter_logits, sample
+from rlver_jax.sampling.strategies import SamplingParams, categorical, filter_logits, sample
 from rlver_jax.sharding import MeshConfig, make_mesh
 
 EOS = 5
@@ -161,6 +164,47 @@ def test_temperature_one_matches_softmax_chi_square():
   expected = np.asarray(jax.nn.softmax(logits)) * n
   chi2, p = stats.chisquare(counts, expected)
   assert p > 0.01, (counts, expected, chi2)
+
+
+@pytest.mark.parametrize("V", [3000, 49152])
+def test_grid_draw_matches_softmax_on_a_wide_vocabulary(V):
+  """The column-then-row draw over the [R, C] view gives softmax frequencies (tokens binned by
+  probability, so the bins cut across rows and columns of the view)."""
+  from scipy import stats
+  logits = jax.random.normal(jax.random.key(V), (V,)) * 2.5
+  n = 40000
+  keys = jax.random.split(jax.random.key(11), n)
+  toks = np.asarray(jax.jit(jax.vmap(lambda k: categorical(k, logits[None])[0]))(keys))
+  probs = np.exp(np.asarray(logits, np.float64))
+  probs /= probs.sum()
+  order = np.argsort(-probs)
+  bins = np.zeros(V, np.int64)  # consecutive tokens by probability, >= 200 expected draws per bin
+  b, acc = 0, 0.0
+  for t in order:
+    bins[t] = b
+    acc += probs[t] * n
+    if acc >= 200:
+      b, acc = b + 1, 0.0
+  counts = np.bincount(bins[toks], minlength=bins.max() + 1)
+  expected = np.bincount(bins, weights=probs * n, minlength=bins.max() + 1)
+  assert len(counts) > 50
+  chi2, p = stats.chisquare(counts, expected)
+  assert p > 0.01, (chi2, p)
+
+
+def test_grid_draw_keeps_a_tensor_split_vocabulary_split():
+  """Over logits split by vocabulary on the tensor axis, only per-shard maxima and column masses
+  cross devices; the [B, V] logits are never gathered."""
+  import re
+  mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=4))
+  for V in (49152, 151936, 152064):  # SmolLM2, Qwen2.5 0.5B-3B, Qwen2.5 7B+
+    logits = jax.ShapeDtypeStruct((8, V), jnp.float32,
+                                  sharding=NamedSharding(mesh, P(("data", "fsdp"), "tensor")))
+    hlo = jax.jit(lambda k, l: sample(l, k, SamplingParams.make(1.0))).lower(
+        jax.random.key(0), logits).compile().as_text()
+    gathered = [math.prod(int(d) for d in dims.split(",") if d)
+                for dims in re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather\(", hlo)]
+    assert gathered and max(gathered) <= 64, (V, gathered)
 
 
 def test_top_p_keeps_exactly_the_nucleus():

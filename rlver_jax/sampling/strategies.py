@@ -7,6 +7,7 @@ trained on; bf16 would bias them).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +88,35 @@ def _pick(x_BxV: jax.Array, tokens_B: jax.Array) -> jax.Array:
   return jnp.take_along_axis(x_BxV, tokens_B[:, None], axis=-1)[:, 0]
 
 
+def _grid_rows(V: int) -> int:
+  """R of the [R, V // R] view `categorical` draws in: a divisor of V near sqrt(V), a multiple of 128
+  where V has one, so a vocabulary split over the tensor axis stays split in the view (R is its
+  major dimension; 152k-token Qwen2.5: 128 x 1187, 49k SmolLM2: 256 x 192)."""
+  divisors = {d for i in range(1, math.isqrt(V) + 1) if V % i == 0 for d in (i, V // i)}
+  pool = [d for d in divisors if d % 128 == 0] or sorted(divisors)
+  return min(pool, key=lambda d: (abs(math.log(d) - math.log(V) / 2), d))
+
+
+def categorical(key: jax.Array, logits_BxV: jax.Array) -> jax.Array:
+  """One token per row drawn from softmax(logits), exactly, from ~2 sqrt(V) random numbers per row.
+
+  Token t sits at (t // C, t % C) of an [R, C] view. First a column c is drawn by the columns' total
+  masses, then a row r from column c's own logits: P(c) P(r | c) = p(t). `jax.random.categorical`
+  over the whole row needs V Gumbel draws (two logs each): 5.2 of a 5.8 ms T=1 sampling step at batch
+  8 x 49k on the 2-core CPU, against 0.3 ms this way. Masked tokens (-1e30) have zero mass.
+  """
+  B, V = logits_BxV.shape
+  R = _grid_rows(V)
+  grid = logits_BxV.reshape(B, R, V // R)
+  top = jnp.max(logits_BxV, axis=-1)[:, None, None]
+  column_mass = jnp.sum(jnp.exp(grid - top), axis=1)                          # [B, C]
+  key_c, key_r = jax.random.split(key)
+  c = jax.random.categorical(key_c, jnp.log(column_mass), axis=-1)
+  in_column = jnp.take_along_axis(grid, c[:, None, None], axis=2)[:, :, 0]   # [B, R]
+  r = jax.random.categorical(key_r, in_column, axis=-1)
+  return (r * (V // R) + c).astype(jnp.int32)
+
+
 def sample(logits_BxV: jax.Array, key: jax.Array, params: SamplingParams):
   """Returns (tokens [B], log-prob under the sampling distribution [B], raw model log-prob [B]).
 
@@ -101,7 +131,7 @@ def sample(logits_BxV: jax.Array, key: jax.Array, params: SamplingParams):
 
   def sampled(_):
     scaled = filter_logits(logits / params.temperature, params.top_k, params.top_p)
-    tokens = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+    tokens = categorical(key, scaled)
     return tokens, _pick(scaled, tokens) - jax.nn.logsumexp(scaled, axis=-1)
 
   tokens, sample_logp = jax.lax.cond(params.temperature <= 0, greedy, sampled, None)

@@ -130,6 +130,9 @@ extern "C" void matmul_transposed(const float* x, const float* e, float* y, int 
 def build(tmp: str) -> ctypes.CDLL:
   if shutil.which("g++") is None:
     raise SystemExit("handwritten_gemv.py needs g++")
+  with open("/proc/cpuinfo") as f:
+    if " avx512f" not in f.read():
+      raise SystemExit("handwritten_gemv.py needs a CPU with AVX-512 (avx512f in /proc/cpuinfo)")
   src, lib = os.path.join(tmp, "gemv.cc"), os.path.join(tmp, "libgemv.so")
   with open(src, "w") as f:
     f.write(KERNEL)

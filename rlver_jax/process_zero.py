@@ -36,7 +36,8 @@ def on_process_zero(what: str, fn: Callable[[], T]) -> T | None:
     except Exception as e:  # shared below, then re-raised: every host stops here
       error = e
   message = broadcast_bytes(
-      (f"{type(error).__name__}: {error}" if error is not None else "").encode("utf-8")
+      # errors="replace": an unencodable message must not raise before process 0 joins the broadcast
+      (f"{type(error).__name__}: {error}" if error is not None else "").encode("utf-8", "replace")
       if jax.process_index() == 0 else None)
   if error is not None:
     raise error

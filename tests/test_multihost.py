@@ -209,7 +209,8 @@ cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layer
                   num_kv_heads=1, head_dim=16, tie_word_embeddings=True, qkv_bias=True,
                   eos_token_id=1, pad_token_id=0)
 model = create_model(cfg, mesh=make_mesh(MeshConfig(fsdp=2)), dtype=jnp.float32, seed=0)
-if jax.process_index() == 0:  # the disk fills up half-way through the second shard
+from rlver_jax.models import hf_io
+if jax.process_index() == 0 and sys.argv[4] == "write":  # the disk fills up in the second shard
   write_file, calls = safetensors_io.write_file, []
   def failing(path, entries, arrays):
     calls.append(path)
@@ -218,31 +219,43 @@ if jax.process_index() == 0:  # the disk fills up half-way through the second sh
       raise OSError(28, "No space left on device", path)
     return write_file(path, entries, arrays)
   safetensors_io.write_file = failing
+if jax.process_index() == 0 and sys.argv[4] == "convert":  # the fifth tensor fails
+  to_hf, converted = hf_io._Mapping.to_hf, []
+  def failing(self, x):
+    converted.append(1)
+    if len(converted) == 5:
+      raise MemoryError("no room for the converted tensor")
+    return to_hf(self, x)
+  hf_io._Mapping.to_hf = failing
 try:
   export_pretrained(model, cfg, sys.argv[3], max_shard_bytes=20_000)
   print("RESULT exported", flush=True)
-except (OSError, ProcessZeroError) as e:
+except (OSError, MemoryError, ProcessZeroError) as e:
   print(f"RESULT {type(e).__name__}: {e}", flush=True)
 """
 
 
-def test_an_export_failing_on_process_0_mid_shard_stops_every_host(tmp_path):
-  # Process 0 writes while every process joins each tensor's gather: a write that fails after
-  # one tensor must still take part in the gathers the others run for the rest of its shard.
+@pytest.mark.parametrize("failing", ["write", "convert"])
+def test_an_export_failing_on_process_0_mid_shard_stops_every_host(tmp_path, failing):
+  # Process 0 writes while every process joins each tensor's gather: a write (or a tensor's
+  # conversion) that fails part-way must still take part in the gathers the others run for the
+  # rest of its shard.
   from gcs_emulator import free_port
   coordinator = f"127.0.0.1:{free_port()}"
   out = tmp_path / "hf"
   logs = [tmp_path / f"export.{i}.log" for i in range(2)]
-  procs = [_start(["-c", _EXPORT_WORKER, coordinator, str(i), str(out)], logs[i]) for i in range(2)]
+  procs = [_start(["-c", _EXPORT_WORKER, coordinator, str(i), str(out), failing], logs[i])
+           for i in range(2)]
   _wait(procs, logs)
   results = [l.split("RESULT ", 1)[1] for log in logs for l in log.read_text().splitlines()
              if l.startswith("RESULT ")]
-  written = [p.name for p in out.glob("model-*.safetensors")]  # only the first shard
+  written = sorted(p.name for p in out.glob("model-*.safetensors"))
   assert len(written) == 1 and written[0].startswith("model-00001-of-"), written
-  shard = out / written[0].replace("model-00001-", "model-00002-")
-  assert results == [f"OSError: [Errno 28] No space left on device: '{shard}'",
-                     f"ProcessZeroError: process 0 failed writing {shard}: OSError: [Errno 28] "
-                     f"No space left on device: '{shard}'"], results
+  # The write fails as the second shard starts; the conversion at the first shard's fifth tensor.
+  shard = out / (written[0].replace("model-00001-", "model-00002-") if failing == "write" else written[0])
+  error = (f"OSError: [Errno 28] No space left on device: '{shard}'" if failing == "write"
+           else "MemoryError: no room for the converted tensor")
+  assert results == [error, f"ProcessZeroError: process 0 failed writing {shard}: {error}"], results
 
 
 def _leaves(tree) -> list[tuple[str, np.ndarray]]:

@@ -203,7 +203,8 @@ def test_grid_draw_keeps_a_tensor_split_vocabulary_split():
     hlo = jax.jit(lambda k, l: sample(l, k, SamplingParams.make(1.0))).lower(
         jax.random.key(0), logits).compile().as_text()
     gathered = [math.prod(int(d) for d in dims.split(",") if d)
-                for dims in re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather\(", hlo)]
+                for dims in re.findall(r"= \w+\[([\d,]*)\][^=]*? (?:all-gather|all-to-all|"
+                                       r"collective-permute)\(", hlo)]
     assert gathered and max(gathered) <= 64, (V, gathered)
 
 

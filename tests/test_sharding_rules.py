@@ -18,7 +18,7 @@ def test_an_axis_that_does_not_divide_is_dropped_and_reported():
   assert DEFAULT_RULES.spec(axes, shape, mesh) == P(None, "fsdp", None, None)
   assert DEFAULT_RULES.dropped(axes, shape, mesh) == [("q_heads", 3, "tensor")]
   assert DEFAULT_RULES.dropped(axes, (2, 64, 8, 16), mesh) == []
-  # batch over data x fsdp: 6 rows divide data=2 but not data x fsdp = 4, so fsdp is dropped.
+  # batch over data x fsdp: 6 rows divide data=2 but not data x fsdp = 8, so fsdp is dropped.
   mesh = make_mesh(MeshConfig(data=2, fsdp=4, tensor=1))
   assert DEFAULT_RULES.spec(("batch", None), (6, 5), mesh) == P("data", None)
   assert DEFAULT_RULES.dropped(("batch", None), (6, 5), mesh) == [("batch", 6, "fsdp")]

@@ -225,9 +225,20 @@ def export_pretrained(model: Qwen2, config: Qwen2Config, out_dir: str, *, tokeni
   names = st.shard_names(len(shards))
 
   def arrays(shard_items):
+    # Every process joins every tensor's gather: a conversion error is raised only after the
+    # shard's last gather, so a process-0-only failure leaves no host waiting in one.
+    error = None
     for key, layer in shard_items:
-      x = params[key] if layer is None else _take_layer(params[key], np.int32(layer))
-      yield mappings[key].to_hf(_fetch(x).astype(out_dtype))
+      x = _fetch(params[key] if layer is None else _take_layer(params[key], np.int32(layer)))
+      if error is None:
+        try:
+          converted = mappings[key].to_hf(x.astype(out_dtype))
+        except Exception as e:
+          error = e
+          continue
+        yield converted
+    if error is not None:
+      raise error
 
   start = 0
   for shard, name in zip(shards, names):
@@ -238,7 +249,8 @@ def export_pretrained(model: Qwen2, config: Qwen2Config, out_dir: str, *, tokeni
       try:
         _write_out(out_dir, name, lambda p: st.write_file(p, shard, tensors))
       finally:  # the gathers a failed write did not reach: the other processes join every one
-        collections.deque(tensors, maxlen=0)
+        if jax.process_count() > 1:
+          collections.deque(tensors, maxlen=0)
     if not writer:
       collections.deque(tensors, maxlen=0)  # every process joins each gather
     on_process_zero(f"writing {storage.join(out_dir, name)}", write_shard)

@@ -59,6 +59,17 @@ def resolve_checkpoint(path: str, key: str) -> str:
   return path
 
 
+def input_paths(config, *, training: bool = True) -> dict[str, str]:
+  """The files and directories a run reads, by config key ('embedded' checkpoints and 'demo'
+  profiles left out: they ship in packages every host has)."""
+  paths = {"data.profiles": config.data.profiles, "policy.checkpoint": config.policy.checkpoint}
+  if training and config.algo == "ppo":
+    paths["critic.checkpoint"] = config.critic.checkpoint
+  if config.simulator.backend == "model":
+    paths["simulator.checkpoint"] = config.simulator.checkpoint
+  return {k: v for k, v in paths.items() if v and v not in ("embedded", "demo")}
+
+
 def profiles_from(path: str) -> list[Profile]:
   if path == "demo":
     return load_demo_profiles()

@@ -27,6 +27,7 @@ from rlver_jax.env.rollout import Dialogue, RolloutConfig, run_dialogues
 from rlver_jax.env.simulator import SimulatedUsers
 from rlver_jax.models.tokenizer import ChatTokens
 from rlver_jax.process_zero import on_process_zero
+from rlver_jax.run_config import check_inputs_on_every_host
 from rlver_jax.sampling.sampler import Sampler
 
 SUMMARY_FILE = "eval_summary.json"
@@ -189,6 +190,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> tuple[dict, dict[str
   check_workdir(workdir)
   check_policy_checkpoint(config.policy.checkpoint)
   mesh = build.mesh_from(config)
+  check_inputs_on_every_host(build.input_paths(config, training=False))
   profiles = select_profiles(build.profiles_from(config.data.profiles), config.eval.num_profiles,
                              config.data.profiles)
   t0 = time.perf_counter()

@@ -88,6 +88,30 @@ def check_shared_workdir(workdir: str) -> None:
                      f"({why}): use gs:// or a shared mount")
 
 
+def check_inputs_on_every_host(paths: dict[str, str]) -> None:
+  """With several processes, fails on every host unless each one sees every input (config key ->
+  path). A host missing one would fail while loading it, and the others would wait for it in the
+  loading's collectives until the coordination service aborted them all minutes later."""
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils
+
+  def seen(path: str) -> bool:
+    try:
+      return epath.Path(path).exists()
+    except OSError:  # a vote like any other: no host may raise alone here
+      return False
+  keys = sorted(paths)
+  mine = np.asarray([seen(paths[k]) for k in keys], np.int32)
+  everyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+  for j, key in enumerate(keys):
+    blind = [int(i) for i in np.flatnonzero(everyone[:, j] == 0)]
+    if blind:
+      raise ValueError(f"config.{key}: {paths[key]} is not seen by processes {blind} of "
+                       f"{jax.process_count()}: every host must see every input (gs:// or a shared "
+                       f"mount)")
+
+
 def write_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Writes WORKDIR/config.json; call once every input has been checked and loaded, so a start that
   fails on bad input leaves no config behind to conflict with the corrected command."""

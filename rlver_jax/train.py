@@ -27,7 +27,8 @@ from rlver_jax.metrics import MetricsWriter
 from rlver_jax.rl import advantages as adv_lib
 from rlver_jax.rl.losses import kl_penalty
 from rlver_jax.rl.update import Updater, make_optimizer, token_logprobs_and_entropy, token_values
-from rlver_jax.run_config import check_shared_workdir, check_workdir_config, write_workdir_config
+from rlver_jax.run_config import (check_inputs_on_every_host, check_shared_workdir, check_workdir_config,
+                                  write_workdir_config)
 from rlver_jax.shapes import SEQ_MULTIPLE, shape_bucket
 from rlver_jax.sharding import DEFAULT_RULES, batch_shards, global_array, host_array
 from rlver_jax.train_checks import check_training_config
@@ -74,6 +75,7 @@ class Trainer:
     self.workdir = workdir
     check_training_config(config)
     check_shared_workdir(workdir)
+    check_inputs_on_every_host(build.input_paths(config))
     check_workdir_config(config, workdir)
     self.mesh = build.mesh_from(config)
     profiles = build.profiles_from(config.data.profiles)

@@ -105,3 +105,16 @@ def test_holdout_evaluation_samples_like_the_sentient_evaluation():
   assert holdout.reward_mode == "terminal" and not holdout.format_penalty
   rollout = build.rollout_config(train_cfg)
   assert (rollout.temperature, rollout.top_p, rollout.top_k) == (1.0, 1.0, 0)  # training is unchanged
+
+
+def test_input_paths_name_what_every_host_must_see():
+  config = _config("grpo_nothink")
+  assert build.input_paths(config) == {}  # the embedded model and the demo profiles ship in packages
+  config.data.profiles, config.policy.checkpoint = "/data/p.jsonl", "gs://b/policy"
+  config.simulator.backend, config.simulator.checkpoint = "model", "/models/sim"
+  assert build.input_paths(config) == {"data.profiles": "/data/p.jsonl",
+                                       "policy.checkpoint": "gs://b/policy",
+                                       "simulator.checkpoint": "/models/sim"}
+  config.algo, config.critic.checkpoint = "ppo", "/models/critic"
+  assert build.input_paths(config)["critic.checkpoint"] == "/models/critic"
+  assert "critic.checkpoint" not in build.input_paths(config, training=False)

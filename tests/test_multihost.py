@@ -176,6 +176,30 @@ def test_a_workdir_not_shared_by_the_hosts_is_refused(tmp_path):
   assert not list(tmp_path.glob("disk*/run/.shared-check-*"))
 
 
+def test_an_input_missing_on_one_host_is_refused_by_all(tmp_path):
+  # Process 1 does not see the profiles file (its own disk; simulated with another path). It used
+  # to fail alone while loading them and leave process 0 waiting in the policy's loading.
+  from gcs_emulator import free_port
+  world = tiny_world.make_world(tmp_path / "world")
+  port = free_port()
+  procs, logs = [], []
+  for i in range(2):
+    flags = tiny_world.cli_flags(world, "grpo", str(tmp_path / "run"), 1)
+    if i == 1:
+      flags.append(f"--config.data.profiles={tmp_path}/elsewhere/profiles.jsonl")
+    flags += ["--cpu_devices=1", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+              f"--process_id={i}"]
+    logs.append(tmp_path / f"input{i}.log")
+    procs.append(_start(["-m", "rlver_jax.main", *flags], logs[-1]))
+  for p in procs:
+    p.wait(timeout=TIMEOUT_S)
+  for p, log in zip(procs, logs):
+    last = [l for l in log.read_text().splitlines() if l.strip()][-1]
+    assert p.returncode == 1 and last.startswith("error: config.data.profiles: "), last
+    assert "is not seen by processes [1] of 2" in last, last
+  assert not (tmp_path / "run" / "config.json").exists()
+
+
 def test_a_write_failing_on_process_0_stops_every_host_at_once(tmp_path):
   # Process 0 cannot write metrics.jsonl (its temp file's name is taken by a directory). The other
   # host used to wait in the next collective until the coordination service aborted both, ~5 min

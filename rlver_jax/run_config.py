@@ -46,6 +46,15 @@ def check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> Non
           f"({len(changed)} conflicting key(s): {', '.join(changed[:5])}); use a new --workdir")
 
 
+def processes_without(votes: list[bool]) -> list[list[int]]:
+  """Every process votes on the same questions; for each question, the processes that voted no.
+  A collective: all processes call it at the same point, none raising on its own before."""
+  from jax.experimental import multihost_utils
+  everyone = np.asarray(multihost_utils.process_allgather(np.asarray(votes, np.int32)))
+  everyone = everyone.reshape(jax.process_count(), len(votes))
+  return [[int(i) for i in np.flatnonzero(everyone[:, j] == 0)] for j in range(len(votes))]
+
+
 def check_shared_workdir(workdir: str) -> None:
   """With several processes, fails on every host unless all of them see the same `workdir`.
 
@@ -74,11 +83,10 @@ def check_shared_workdir(workdir: str) -> None:
     seen = marker.exists() and marker.read_bytes() == token
   except OSError:
     seen = False
-  everyone = np.asarray(multihost_utils.process_allgather(np.int32(seen))).reshape(-1)
+  blind, = processes_without([seen])
   multihost_utils.sync_global_devices("rlver_jax:shared_workdir_read")
   if jax.process_index() == 0 and write_error is None:
     marker.unlink(missing_ok=True)
-  blind = [i for i, ok in enumerate(everyone) if not ok]
   if blind:
     if 0 in blind:  # the others only know that process 0 failed; process 0 also knows why
       why = "process 0 cannot use it" + (f": {write_error}" if write_error is not None else "")
@@ -92,9 +100,8 @@ def check_inputs_on_every_host(paths: dict[str, str]) -> None:
   """With several processes, fails on every host unless each one sees every input (config key ->
   path). A host missing one would fail while loading it, and the others would wait for it in the
   loading's collectives until the coordination service aborted them all minutes later."""
-  if jax.process_count() == 1:
+  if jax.process_count() == 1 or not paths:  # no paths: the embedded model and demo profiles
     return
-  from jax.experimental import multihost_utils
 
   def seen(path: str) -> bool:
     try:
@@ -102,10 +109,7 @@ def check_inputs_on_every_host(paths: dict[str, str]) -> None:
     except OSError:  # a vote like any other: no host may raise alone here
       return False
   keys = sorted(paths)
-  mine = np.asarray([seen(paths[k]) for k in keys], np.int32)
-  everyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
-  for j, key in enumerate(keys):
-    blind = [int(i) for i in np.flatnonzero(everyone[:, j] == 0)]
+  for key, blind in zip(keys, processes_without([seen(paths[k]) for k in keys])):
     if blind:
       raise ValueError(f"config.{key}: {paths[key]} is not seen by processes {blind} of "
                        f"{jax.process_count()}: every host must see every input (gs:// or a shared "

@@ -154,23 +154,35 @@ def test_two_hosts_train_like_one_and_stop_together(tmp_path):
   _assert_same_state(_state(multi, 2), _state(single, 2))
 
 
-def test_a_workdir_not_shared_by_the_hosts_is_refused(tmp_path):
-  # Two hosts that each see their own disk at the workdir path (simulated: two different paths).
+def _exits(procs: list[subprocess.Popen], logs: list[pathlib.Path]) -> list[tuple[int, str]]:
+  """Waits for every process; (exit code, last non-blank line of its log) of each."""
+  for p in procs:
+    p.wait(timeout=TIMEOUT_S)
+  return [(p.returncode, [l for l in log.read_text().splitlines() if l.strip()][-1])
+          for p, log in zip(procs, logs)]
+
+
+def _two_hosts(tmp_path: pathlib.Path, name: str, flags_of) -> list[tuple[int, str]]:
+  """`python -m rlver_jax.main` as 2 processes x 1 device, process i with flags `flags_of(i)`;
+  returns `_exits` of both."""
   from gcs_emulator import free_port
-  world = tiny_world.make_world(tmp_path / "world")
   port = free_port()
   procs, logs = [], []
   for i in range(2):
-    flags = tiny_world.cli_flags(world, "grpo", str(tmp_path / f"disk{i}" / "run"), 1)
-    flags += ["--cpu_devices=1", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-              f"--process_id={i}"]
-    logs.append(tmp_path / f"disk{i}.log")
+    flags = flags_of(i) + ["--cpu_devices=1", f"--coordinator_address=127.0.0.1:{port}",
+                           "--num_processes=2", f"--process_id={i}"]
+    logs.append(tmp_path / f"{name}{i}.log")
     procs.append(_start(["-m", "rlver_jax.main", *flags], logs[-1]))
-  for p in procs:
-    p.wait(timeout=TIMEOUT_S)
-  for p, log in zip(procs, logs):
-    last = [l for l in log.read_text().splitlines() if l.strip()][-1]
-    assert p.returncode != 0 and last.startswith("error: ") and "is not shared by all 2 processes" in last
+  return _exits(procs, logs)
+
+
+def test_a_workdir_not_shared_by_the_hosts_is_refused(tmp_path):
+  # Two hosts that each see their own disk at the workdir path (simulated: two different paths).
+  world = tiny_world.make_world(tmp_path / "world")
+  exits = _two_hosts(tmp_path, "disk", lambda i: tiny_world.cli_flags(
+      world, "grpo", str(tmp_path / f"disk{i}" / "run"), 1))
+  for code, last in exits:
+    assert code != 0 and last.startswith("error: ") and "is not shared by all 2 processes" in last
     assert "processes [1]" in last, last
   assert not list(tmp_path.glob("disk*/run/config.json"))
   assert not list(tmp_path.glob("disk*/run/.shared-check-*"))
@@ -179,23 +191,12 @@ def test_a_workdir_not_shared_by_the_hosts_is_refused(tmp_path):
 def test_an_input_missing_on_one_host_is_refused_by_all(tmp_path):
   # Process 1 does not see the profiles file (its own disk; simulated with another path). It used
   # to fail alone while loading them and leave process 0 waiting in the policy's loading.
-  from gcs_emulator import free_port
   world = tiny_world.make_world(tmp_path / "world")
-  port = free_port()
-  procs, logs = [], []
-  for i in range(2):
-    flags = tiny_world.cli_flags(world, "grpo", str(tmp_path / "run"), 1)
-    if i == 1:
-      flags.append(f"--config.data.profiles={tmp_path}/elsewhere/profiles.jsonl")
-    flags += ["--cpu_devices=1", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-              f"--process_id={i}"]
-    logs.append(tmp_path / f"input{i}.log")
-    procs.append(_start(["-m", "rlver_jax.main", *flags], logs[-1]))
-  for p in procs:
-    p.wait(timeout=TIMEOUT_S)
-  for p, log in zip(procs, logs):
-    last = [l for l in log.read_text().splitlines() if l.strip()][-1]
-    assert p.returncode == 1 and last.startswith("error: config.data.profiles: "), last
+  elsewhere = [f"--config.data.profiles={tmp_path}/elsewhere/profiles.jsonl"]
+  exits = _two_hosts(tmp_path, "input", lambda i: tiny_world.cli_flags(
+      world, "grpo", str(tmp_path / "run"), 1) + (elsewhere if i == 1 else []))
+  for code, last in exits:
+    assert code == 1 and last.startswith("error: config.data.profiles: "), last
     assert "is not seen by processes [1] of 2" in last, last
   assert not (tmp_path / "run" / "config.json").exists()
 
@@ -208,11 +209,9 @@ def test_a_write_failing_on_process_0_stops_every_host_at_once(tmp_path):
   workdir = tmp_path / "run"
   (workdir / "metrics.jsonl.tmp").mkdir(parents=True)
   procs = _launch(world, workdir, processes=2, devices=1, steps=3, logs=tmp_path)
-  logs = [tmp_path / f"run.{i}.log" for i in range(2)]
-  for p in procs:
-    p.wait(timeout=TIMEOUT_S)
-  last = [[l for l in log.read_text().splitlines() if l.strip()][-1] for log in logs]
-  assert [p.returncode for p in procs] == [1, 1], last
+  exits = _exits(procs, [tmp_path / f"run.{i}.log" for i in range(2)])
+  last = [line for _, line in exits]
+  assert [code for code, _ in exits] == [1, 1], last
   assert last[0] == f"error: [Errno 21] Is a directory: '{workdir}/metrics.jsonl.tmp'"
   assert last[1] == (f"error: process 0 failed writing {workdir}/metrics.jsonl: IsADirectoryError: "
                      f"[Errno 21] Is a directory: '{workdir}/metrics.jsonl.tmp'")

@@ -39,8 +39,8 @@ from rlver_jax.models import safetensors_io as st
 from rlver_jax.models import storage
 from rlver_jax.models.factory import abstract_model, state_shardings
 from rlver_jax.models.presets import Qwen2Config, from_hf_config, to_hf_config
-from rlver_jax.process_zero import on_process_zero
 from rlver_jax.models.qwen2 import Head, ParamSpec, Qwen2, RematPolicy, param_specs
+from rlver_jax.process_zero import on_process_zero
 from rlver_jax.sharding import DEFAULT_RULES, ShardingRules
 
 CONFIG_FILE = "config.json"

@@ -66,11 +66,11 @@ class Ours:
     self.cache = jax.block_until_ready(cache)
     return cache, jax.block_until_ready(logits)
 
-  def generate(self, prompts: np.ndarray, temperature: float, seed: int):
+  def generate(self, prompts: np.ndarray, temperature: float, seed: int, top_p: float = 1.0):
     """Returns (tokens [B, new], prefill seconds, decode seconds)."""
     (cache, logits), t_pre = timed(self.prefill, prompts)
     res, t_dec = timed(self.sampler.decode, self.params, cache, logits, rng=jax.random.key(seed),
-                       max_new_tokens=self.new, sampling=SamplingParams.make(temperature))
+                       max_new_tokens=self.new, sampling=SamplingParams.make(temperature, top_p=top_p))
     self.cache = res.cache
     assert (res.num_tokens == self.new).all(), res.num_tokens
     return res.tokens, t_pre, t_dec
@@ -106,12 +106,13 @@ class HF:
     self._sync()
     return out
 
-  def generate(self, prompts: np.ndarray, temperature: float, seed: int, new: int | None = None):
+  def generate(self, prompts: np.ndarray, temperature: float, seed: int, new: int | None = None,
+               top_p: float = 1.0):
     torch = self.torch
     new = new or self.new
     ids = torch.from_numpy(prompts.astype(np.int64)).to(self.device)
     kwargs = dict(do_sample=False) if temperature == 0 else dict(
-        do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
+        do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
     torch.manual_seed(seed)
     self._sync()
     out, t = timed(self._generate, ids, new, kwargs)
@@ -176,15 +177,16 @@ def main():
   _, first_hf = hf.generate(prompts, 0.0, 0)
   counter.reset()
 
-  modes = {"greedy": 0.0, "T=1.0": 1.0}
+  # (temperature, top_p); the last is the simulator's default sampling (configs/base.py).
+  modes = {"greedy": (0.0, 1.0), "T=1.0": (1.0, 1.0), "T=0.7 top_p=0.9": (0.7, 0.9)}
   res = {(m, side): [] for m in modes for side in ("ours", "ours_decode", "hf")}
   greedy = {}
   for rep in range(args.reps):
-    for m, temp in modes.items():
-      toks, t_pre, t_dec = ours.generate(prompts, temp, rep)
+    for m, (temp, top_p) in modes.items():
+      toks, t_pre, t_dec = ours.generate(prompts, temp, rep, top_p)
       res[(m, "ours")].append(t_pre + t_dec)
       res[(m, "ours_decode")].append(t_dec)
-      hf_toks, t_hf = hf.generate(prompts, temp, rep)
+      hf_toks, t_hf = hf.generate(prompts, temp, rep, top_p=top_p)
       res[(m, "hf")].append(t_hf)
       if temp == 0:
         greedy = {"ours": toks, "hf": hf_toks}
@@ -201,10 +203,10 @@ def main():
     counter.reset()
     _, a, b = ours16.generate(prompts, 0.0, 0)
     bf16["first"], bf16["compile_s"] = a + b, counter.snapshot()[1]
-    for m, temp in modes.items():
-      _, a, b = ours16.generate(prompts, temp, 1)
+    for m, (temp, top_p) in modes.items():
+      _, a, b = ours16.generate(prompts, temp, 1, top_p)
       bf16[m] = a + b
-      _, bf16["hf_" + m] = hf.generate(prompts, temp, 1)
+      _, bf16["hf_" + m] = hf.generate(prompts, temp, 1, top_p=top_p)
 
   print()
   print(f"Command: `{command_line()}`\n")

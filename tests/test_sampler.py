@@ -192,20 +192,26 @@ def test_grid_draw_matches_softmax_on_a_wide_vocabulary(V):
   assert p > 0.01, (chi2, p)
 
 
-def test_grid_draw_keeps_a_tensor_split_vocabulary_split():
-  """Over logits split by vocabulary on the tensor axis, only per-shard maxima and column masses
-  cross devices; the [B, V] logits are never gathered."""
+@pytest.mark.parametrize("tensor", [4, 1])
+def test_sampling_never_gathers_the_logits(tensor):
+  """With the filters compiled in (settings traced), over logits split by rows on data x fsdp and by
+  vocabulary on tensor, only per-shard candidates, maxima and column masses cross devices: nothing
+  near a [B, V] row block is ever gathered."""
   import re
-  mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=4))
+  from rlver_jax.sampling.strategies import _CANDIDATES
+  mesh = make_mesh(MeshConfig(data=1, fsdp=8 // tensor, tensor=tensor))
+  settings = SamplingParams.make(0.7, top_p=0.9, top_k=20)
   for V in (49152, 151936, 152064):  # SmolLM2, Qwen2.5 0.5B-3B, Qwen2.5 7B+
     logits = jax.ShapeDtypeStruct((8, V), jnp.float32,
                                   sharding=NamedSharding(mesh, P(("data", "fsdp"), "tensor")))
-    hlo = jax.jit(lambda k, l: sample(l, k, SamplingParams.make(1.0))).lower(
-        jax.random.key(0), logits).compile().as_text()
+    with jax.set_mesh(mesh):
+      hlo = jax.jit(lambda k, l, s: sample(l, k, s)).lower(
+          jax.random.key(0), logits, settings).compile().as_text()
     gathered = [math.prod(int(d) for d in dims.split(",") if d)
                 for dims in re.findall(r"= \w+\[([\d,]*)\][^=]*? (?:all-gather|all-to-all|"
                                        r"collective-permute)\(", hlo)]
-    assert gathered and max(gathered) <= 64, (V, gathered)
+    assert max(gathered, default=0) <= 8 * tensor * _CANDIDATES, (V, gathered)
+    assert "top" in hlo.lower()  # the candidate path is compiled in
 
 
 def test_top_p_keeps_exactly_the_nucleus():
@@ -245,7 +251,8 @@ def _filter_reference(logits, top_k, top_p):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_filter_equals_sorting_reference(seed):
-  """Bisection cut-offs == the sort-based definition, on wide and peaked rows with tied logits."""
+  """Cut-offs == the sort-based definition, on wide and peaked rows with tied logits (the wide rows
+  send the whole batch to the bisection; each row alone the peaked ones to the candidates)."""
   r = np.random.default_rng(seed)
   V = 3000
   logits = r.standard_normal((4, V)).astype(np.float32) * np.array([[0.5], [2.0], [6.0], [1.0]], np.float32)
@@ -256,6 +263,45 @@ def test_filter_equals_sorting_reference(seed):
     kept = got > -1e29
     np.testing.assert_array_equal(kept, np.isfinite(ref), err_msg=f"top_k={top_k} top_p={top_p}")
     np.testing.assert_array_equal(got[kept], logits[kept])
+    for b in range(len(logits)):
+      alone = np.asarray(filter_logits(jnp.asarray(logits[b:b + 1]), jnp.int32(top_k), jnp.float32(top_p)))
+      np.testing.assert_array_equal(alone[0], got[b], err_msg=f"row {b} top_k={top_k} top_p={top_p}")
+
+
+_PEAKED_CASES = [(0, 0.9), (0, 0.5), (40, 1.0), (40, 0.8), (1, 1.0), (64, 1.0), (64, 0.999)]
+
+
+def test_cuts_come_from_the_candidates_when_they_hold_them(monkeypatch):
+  """Peaked rows (nuclei of < 64 tokens) and top_k <= 64 are cut from the 64 largest values alone:
+  with the bisection broken (it would keep every token) the filter still equals the reference."""
+  from rlver_jax.sampling import strategies
+  r = np.random.default_rng(7)
+  logits = (r.standard_normal((3, 3000)) * np.array([[6.0], [9.0], [4.0]])).astype(np.float32)
+  logits[2, 1:5] = logits[2, 0]  # ties among the candidates
+  monkeypatch.setattr(strategies, "_smallest_key_where", lambda keys, holds: jnp.zeros(keys.shape[:1], jnp.uint32))
+  for top_k, top_p in _PEAKED_CASES:
+    got = np.asarray(filter_logits(jnp.asarray(logits), jnp.int32(top_k), jnp.float32(top_p)))
+    ref = _filter_reference(logits, top_k, top_p)
+    np.testing.assert_array_equal(got > -1e29, np.isfinite(ref), err_msg=f"top_k={top_k} top_p={top_p}")
+    if top_p < 1 or top_k:
+      assert (got <= -1e29).any()  # the broken bisection would have kept everything
+
+
+def test_filter_on_a_split_vocabulary_equals_one_device():
+  """Under a mesh (rows over fsdp, vocabulary over tensor) both the candidate cut and the bisection
+  keep exactly the single-device tokens."""
+  mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=4))
+  r = np.random.default_rng(3)
+  logits = (r.standard_normal((4, 4096)) * np.array([[0.5], [6.0], [9.0], [1.0]])).astype(np.float32)
+  split = jax.device_put(logits, NamedSharding(mesh, P(("data", "fsdp"), "tensor")))
+  filt = jax.jit(filter_logits)
+  for top_k, top_p in [(0, 0.9), (20, 0.8), (100, 1.0), (0, 0.5)]:
+    want = np.asarray(filter_logits(jnp.asarray(logits), jnp.int32(top_k), jnp.float32(top_p)))
+    with jax.set_mesh(mesh):
+      got = np.asarray(filt(split, jnp.int32(top_k), jnp.float32(top_p)))
+      peaked = np.asarray(filt(split[1:3], jnp.int32(top_k), jnp.float32(top_p)))
+    np.testing.assert_array_equal(got, want, err_msg=f"top_k={top_k} top_p={top_p}")
+    np.testing.assert_array_equal(peaked, want[1:3], err_msg=f"top_k={top_k} top_p={top_p}")
 
 
 def test_budget_and_inactive_rows(checkpoint):

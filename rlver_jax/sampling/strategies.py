@@ -12,6 +12,10 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
+from rlver_jax.sharding import DEFAULT_RULES
+
 _NEG = -1e30
 
 
@@ -54,33 +58,100 @@ def _smallest_key_where(keys: jax.Array, holds) -> jax.Array:
   return hi
 
 
+# Exact top values taken per row before any bisection: every top-k up to this many, and every nucleus
+# of fewer tokens (at T=0.7, top_p=0.9 the embedded model's nuclei were at most 45 tokens over 1024
+# sampled steps), cut from these alone.
+_CANDIDATES = 64
+
+
+def _vocab_split(B: int, V: int):
+  """(the mesh in context, the [B, V] logits' PartitionSpec on it, how many ways it splits V), or
+  (None, None, 1) outside a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return None, None, 1
+  spec = DEFAULT_RULES.spec(("batch", "act_vocab"), (B, V), mesh)
+  axes = () if spec[1] is None else (spec[1],) if isinstance(spec[1], str) else spec[1]
+  return mesh, spec, math.prod(mesh.shape[a] for a in axes)
+
+
+def _top_values(logits_BxV: jax.Array, n: int) -> jax.Array:
+  """The n largest values of each row, descending. On a mesh each device takes the top n of its own
+  block of the logits and, over a split vocabulary, the top n of the B x shards x n values gathered
+  along the row: XLA's partitioner would gather the whole [B, V] onto every device for a `top_k`."""
+  B, V = logits_BxV.shape
+  mesh, spec, shards = _vocab_split(B, V)
+  top = lambda x: jax.lax.top_k(x, n)[0]
+  if mesh is None:
+    return top(logits_BxV)
+  local = jax.shard_map(top, mesh=mesh, in_specs=spec, out_specs=spec)(logits_BxV)
+  if shards == 1:
+    return local
+  rows = P(spec[0], None)
+  return jax.shard_map(top, mesh=mesh, in_specs=rows, out_specs=rows)(local)
+
+
+def _smallest_kept(logits: jax.Array, keys: jax.Array, cut_key: jax.Array) -> jax.Array:
+  """The smallest logit among tokens whose key is >= cut_key: the bisection's cut as a logit."""
+  return jnp.min(jnp.where(keys >= cut_key[:, None], logits, jnp.inf), axis=-1)
+
+
 def filter_logits(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
   """Masks tokens outside the top-k and outside the top-p nucleus (logits already temperature-scaled).
 
   The nucleus is the smallest set of most likely tokens whose mass reaches top_p; a token is kept
   when the mass of the tokens strictly more likely than it is < top_p, so the most likely token is
-  always kept (and ties with a kept token are kept). Both cut-offs are found by bisection on the
-  bit patterns of the values (32 passes over the row), not by sorting: XLA:CPU sorts a 49k
-  vocabulary at ~10 ms per row, which made a top-p decode step twice as slow as the model.
+  always kept, and ties with a kept token are kept. Each filter becomes a per-row cut logit (keep
+  logits >= cut). The cut is read off the row's 64 largest values (`lax.top_k`) when it lies among
+  them, as it does for every top_k <= 64 and every nucleus of < 64 tokens; otherwise it is found by
+  bisection on the values' bit patterns (32 passes over the row, each a cross-device reduction over a
+  split vocabulary). No full sort: XLA:CPU sorts a 49k vocabulary at ~10 ms per row. At 8 x 49k on
+  the 2-core CPU: top_p 0.9 by bisection 7.4 ms, from the candidates ~1 ms.
   """
   V = logits_BxV.shape[-1]
-
-  def cut_top_k(logits):  # the smallest key t with count(keys > t) < k is the k-th largest's key
-    keys = _order_keys(logits)
-    k = jnp.minimum(top_k, V)
-    kth = _smallest_key_where(keys, lambda t: jnp.sum(keys > t[:, None], axis=-1) < k)
-    return jnp.where(keys >= kth[:, None], logits, _NEG)
-
-  def cut_top_p(logits):  # keep p_i when mass(p > p_i) < top_p; that mass only shrinks as t grows
-    probs = jax.nn.softmax(logits, axis=-1)
-    keys = _order_keys(probs)
-    cut = _smallest_key_where(
-        keys, lambda t: jnp.sum(jnp.where(keys > t[:, None], probs, 0.0), axis=-1) < top_p)
-    return jnp.where(keys >= cut[:, None], logits, _NEG)
-
+  n = min(_CANDIDATES, V // _vocab_split(*logits_BxV.shape)[2])
   logits = logits_BxV.astype(jnp.float32)
-  logits = jax.lax.cond(top_k > 0, cut_top_k, lambda x: x, logits)
-  logits = jax.lax.cond(top_p < 1.0, cut_top_p, lambda x: x, logits)
+
+  def cut_top_k(state):
+    logits, top = state
+    k = jnp.clip(top_k, 1, V)
+
+    def by_bisection(_):  # the smallest key t with count(keys > t) < k is the k-th largest's key
+      keys = _order_keys(logits)
+      kth = _smallest_key_where(keys, lambda t: jnp.sum(keys > t[:, None], axis=-1) < k)
+      return _smallest_kept(logits, keys, kth)
+
+    cut = jax.lax.cond(k <= n, lambda _: jax.lax.dynamic_index_in_dim(top, k - 1, 1, False),
+                       by_bisection, None)
+    return jnp.where(logits >= cut[:, None], logits, _NEG), jnp.where(top >= cut[:, None], top, _NEG)
+
+  def cut_top_p(state):
+    logits, top = state
+    mass = jnp.exp(top - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
+    before = jnp.cumsum(mass, axis=-1) - mass  # mass of the candidates ahead of each one
+    # The cut is the last candidate with mass ahead < top_p, if a later candidate has mass ahead >= it.
+    inside = jnp.all(before[:, -1] >= top_p)
+
+    def from_candidates(_):
+      last = jnp.sum(before < top_p, axis=-1) - 1
+      return jnp.take_along_axis(top, last[:, None], axis=-1)[:, 0]
+
+    def by_bisection(_):  # keep p_i when mass(p > p_i) < top_p; that mass only shrinks as t grows
+      probs = jax.nn.softmax(logits, axis=-1)
+      keys = _order_keys(probs)
+      cut = _smallest_key_where(
+          keys, lambda t: jnp.sum(jnp.where(keys > t[:, None], probs, 0.0), axis=-1) < top_p)
+      return _smallest_kept(logits, keys, cut)
+
+    cut = jax.lax.cond(inside, from_candidates, by_bisection, None)
+    return jnp.where(logits >= cut[:, None], logits, _NEG)
+
+  def filtered(logits):
+    state = (logits, _top_values(logits, n))
+    state = jax.lax.cond(top_k > 0, cut_top_k, lambda s: s, state)
+    return jax.lax.cond(top_p < 1.0, cut_top_p, lambda s: s[0], state)
+
+  logits = jax.lax.cond((top_k > 0) | (top_p < 1.0), filtered, lambda x: x, logits)
   return logits.astype(logits_BxV.dtype)
 
 

@@ -1,0 +1,104 @@
+"""One sampling step alone: our `sample` (filters, draw, both log-probs) against transformers'
+logits processors + torch.multinomial on the same logits, per sampling setting.
+
+The logits are the embedded model's own next-token logits at a batch of chat prompts (peaked the way
+real ones are), tiled to the vocabulary width asked for. Run from benchmarks/:
+
+  python sampling_step.py [--batch 8] [--vocab 49152,151936] [--reps 50]
+"""
+from __future__ import annotations
+
+import argparse
+
+import _common  # noqa: F401  (sets JAX_PLATFORMS before jax is imported)
+from _common import command_line, machine_info, median, table, timed
+
+import jax
+import numpy as np
+
+from rlver_jax.sampling.strategies import SamplingParams, sample
+
+# (temperature, top_p, top_k): greedy; plain T=1 (training); the simulator's; the evaluation's.
+SETTINGS = {"greedy": (0.0, 1.0, 0), "T=1": (1.0, 1.0, 0), "T=0.7 top_p=0.9": (0.7, 0.9, 0),
+            "T=0.7 top_p=0.8 top_k=20": (0.7, 0.8, 20)}
+
+
+def model_logits(batch: int) -> np.ndarray:
+  """[batch, 49152] next-token logits of the embedded model after chat prompts."""
+  import torch
+  from transformers import AutoModelForCausalLM, AutoTokenizer
+  from rlver_jax.models.embedded import embedded_model_dir
+  path = embedded_model_dir()
+  tok = AutoTokenizer.from_pretrained(path)
+  model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+  topics = ["work", "family", "sleep", "money", "a friend", "exams", "moving", "health"]
+  texts = [tok.apply_chat_template([{"role": "user", "content": f"I feel low about {topics[i % 8]}."}],
+                                   add_generation_prompt=True, tokenize=False) for i in range(batch)]
+  tok.padding_side = "left"
+  enc = tok(texts, return_tensors="pt", padding=True)
+  with torch.inference_mode():
+    return model(**enc).logits[:, -1].float().numpy()
+
+
+def widen(logits: np.ndarray, vocab: int) -> np.ndarray:
+  """Tiles a row to `vocab` entries; the copies sit 8 nats lower so the original keeps its shape."""
+  reps = -(-vocab // logits.shape[1])
+  tiles = [logits - 8.0 * (i > 0) for i in range(reps)]
+  return np.concatenate(tiles, axis=1)[:, :vocab].astype(np.float32)
+
+
+def torch_sampler(temperature: float, top_p: float, top_k: int):
+  import torch
+  from transformers import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
+                            TopPLogitsWarper)
+  procs = LogitsProcessorList()
+  if temperature > 0:
+    procs.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+      procs.append(TopKLogitsWarper(top_k))
+    if top_p < 1:
+      procs.append(TopPLogitsWarper(top_p))
+
+  def step(logits):
+    with torch.inference_mode():
+      if temperature == 0:
+        return torch.argmax(logits, dim=-1)
+      scores = procs(None, logits)
+      return torch.multinomial(torch.softmax(scores, dim=-1), 1)[:, 0]
+  return step
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--vocab", default="49152,151936")
+  ap.add_argument("--reps", type=int, default=50)
+  args = ap.parse_args()
+  import torch
+  torch.set_num_threads(2)
+  base = model_logits(args.batch)
+  ours = jax.jit(sample)
+  rows = []
+  for V in (int(v) for v in args.vocab.split(",")):
+    logits = widen(base, V)
+    x, xt = jax.device_put(logits), torch.from_numpy(logits)
+    for name, (t, p, k) in SETTINGS.items():
+      params, key = SamplingParams.make(t, p, k), jax.random.key(0)
+      jax.block_until_ready(ours(x, key, params))
+      step = torch_sampler(t, p, k)
+      step(xt)
+      a = [timed(lambda: jax.block_until_ready(ours(x, key, params)))[1] for _ in range(args.reps)]
+      b = [timed(step, xt)[1] for _ in range(args.reps)]
+      rows.append([f"{args.batch} x {V}", name, f"{median(a) * 1e3:.2f}", f"{median(b) * 1e3:.2f}",
+                   f"{median(b) / median(a):.1f}x"])
+      print(rows[-1], flush=True)
+  print(f"\nCommand: `{command_line()}`\n")
+  print(machine_info(with_torch=True) + "\n")
+  print(f"Medians of {args.reps} calls. Ours: `sample` jitted (filters, draw, sampled and raw log-probs); "
+        "transformers: its temperature/top-k/top-p warpers, softmax and torch.multinomial (argmax "
+        "for greedy), torch threads=2.\n")
+  print(table(["logits", "setting", "ours ms", "transformers ms", "transformers / ours"], rows))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,8 +1,8 @@
 """Decode throughput of our sampler (prefill + while-loop decode) vs transformers `generate` on CPU.
 
 Same SmolLM2-135M-Instruct weights (the embedded HF directory) on both sides, fp32, batch 8, chat
-prompts of equal length, exactly `--new` new tokens per row (no stop tokens on either side), greedy
-and temperature-1 sampling. Runs alternate ours / transformers, `--reps` times; medians are reported.
+prompts of equal length, exactly `--new` new tokens per row (no stop tokens on either side), greedy,
+temperature-1 sampling and the simulator's T=0.7 / top-p 0.9. Runs alternate ours / transformers, `--reps` times; medians are reported.
 
   python benchmarks/decode_throughput.py [--batch 8] [--new 128] [--reps 3] [--no-bf16]
 """

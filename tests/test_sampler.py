@@ -154,6 +154,20 @@ def test_topk1_equals_greedy():
   np.testing.assert_allclose(np.asarray(slp), 0.0, atol=1e-6)
 
 
+def test_greedy_takes_the_first_maximum_like_argmax():
+  """Ties go to the first index, a NaN wins (as in jnp.argmax), -inf rows still pick index 0."""
+  nan, inf = np.nan, np.inf
+  logits = np.array([[1.0, 3.0, 3.0, 2.0], [0.0, nan, 5.0, nan], [-inf, -inf, -inf, -inf],
+                     [2.0, 2.0, 2.0, 2.0], [-1.0, -0.5, -0.5, -2.0]], np.float32)
+  tok, slp, mlp = sample(jnp.asarray(logits), jax.random.key(0), SamplingParams.make(temperature=0.0))
+  np.testing.assert_array_equal(np.asarray(tok), np.argmax(logits, axis=-1))
+  np.testing.assert_array_equal(np.asarray(tok), [1, 1, 0, 0, 1])
+  np.testing.assert_allclose(np.asarray(mlp)[[0, 3, 4]], [3 - np.log(2 * np.exp(3) + np.exp(2) + np.exp(1)),
+                                                         -np.log(4), -0.5 - np.log(np.exp(-1) + 2 * np.exp(-0.5) + np.exp(-2))],
+                             rtol=1e-6)
+  assert (np.asarray(slp) == 0).all()
+
+
 def test_temperature_one_matches_softmax_chi_square():
   from scipy import stats
   logits = jnp.array([1.0, 0.2, -0.5, 2.0, 0.0, -1.5])
@@ -211,7 +225,7 @@ def test_sampling_never_gathers_the_logits(tensor):
                 for dims in re.findall(r"= \w+\[([\d,]*)\][^=]*? (?:all-gather|all-to-all|"
                                        r"collective-permute)\(", hlo)]
     assert max(gathered, default=0) <= 8 * tensor * _CANDIDATES, (V, gathered)
-    assert "top" in hlo.lower()  # the candidate path is compiled in
+    assert 'custom_call_target="TopK"' in hlo  # the candidate path is compiled in
 
 
 def test_top_p_keeps_exactly_the_nucleus():
@@ -302,6 +316,13 @@ def test_filter_on_a_split_vocabulary_equals_one_device():
       peaked = np.asarray(filt(split[1:3], jnp.int32(top_k), jnp.float32(top_p)))
     np.testing.assert_array_equal(got, want, err_msg=f"top_k={top_k} top_p={top_p}")
     np.testing.assert_array_equal(peaked, want[1:3], err_msg=f"top_k={top_k} top_p={top_p}")
+  # A mesh that is not one of ours (other axis names): XLA places the top-k itself.
+  other = jax.make_mesh((2, 4), ("rows", "cols"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with jax.set_mesh(other):
+    got = filt(jax.device_put(logits, NamedSharding(other, P("rows", "cols"))), jnp.int32(20),
+               jnp.float32(0.8))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(filter_logits(
+      jnp.asarray(logits), jnp.int32(20), jnp.float32(0.8))))
 
 
 def test_budget_and_inactive_rows(checkpoint):
@@ -332,8 +353,16 @@ def test_reserve_keeps_slots_free_at_the_cache_end(checkpoint):
   assert (np.asarray(res.cache.lengths) <= sampler.max_len - 1).all()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_mesh_gives_single_device_results(tmp_path, layout):
+@pytest.mark.parametrize("layout,ambient", [(l, True) for l in LAYOUTS] + [(LAYOUTS[0], False)])
+def test_mesh_gives_single_device_results(tmp_path, layout, ambient, monkeypatch):
+  """Also without the caller's jax.set_mesh: the sampler then traces under its own mesh, so the
+  filters take their candidates per vocabulary shard (and the model's constraints apply)."""
+  from rlver_jax.sampling import strategies
+  seen = []
+  top_values = strategies._top_values
+  monkeypatch.setattr(strategies, "_top_values", lambda x, n: seen.append(
+      strategies._vocab_split(*x.shape)[2]) or top_values(x, n))
+  jax.clear_caches()  # trace both samplers' programs here, where `seen` records them
   make_hf_checkpoint(tmp_path, std=0.3, eos=EOS, heads=4, kv_heads=2, hidden=64)
   model1, _ = load_pretrained(str(tmp_path), dtype=jnp.float32)
   mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
@@ -343,7 +372,7 @@ def test_mesh_gives_single_device_results(tmp_path, layout):
   for model, m in [(model1, None), (model8, mesh)]:
     sampler = _sampler(model, mesh=m, cache_layout=layout)
     params = nnx.state(model)
-    with jax.set_mesh(mesh) if m is not None else _null():
+    with jax.set_mesh(mesh) if m is not None and ambient else _null():
       cache, logits = sampler.prefill(params, sampler.init_cache(4), prompts)
       if m is not None:
         assert cache.k.sharding.spec[1] == ("data", "fsdp")
@@ -354,6 +383,7 @@ def test_mesh_gives_single_device_results(tmp_path, layout):
   a, b = results
   np.testing.assert_array_equal(a.tokens, b.tokens)
   np.testing.assert_allclose(a.model_logp, b.model_logp, atol=1e-4)
+  assert seen == [1, 2]  # traced once per sampler: unsplit, then over tensor=2
 
 
 class _null:

@@ -13,6 +13,7 @@ filled length rather than the preallocated maximum. Sampling settings are traced
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Sequence
 
@@ -150,6 +151,14 @@ class Sampler:
     self._decode = jax.jit(_decode_fn, static_argnames=("graphdef", "window", "max_new", "pad_id"),
                            donate_argnums=(2,))
 
+  def _on_mesh(self):
+    """The sampler's mesh as the ambient one while its programs trace and run, unless the caller set
+    one: the model's activation constraints and the sampling filters' per-shard top-k read it."""
+    ambient = jax.sharding.get_abstract_mesh()
+    if self.mesh is None or not (ambient is None or ambient.empty):
+      return contextlib.nullcontext()
+    return jax.set_mesh(self.mesh)
+
   def padded_rows(self, rows: int) -> int:
     """Cache rows for `rows` dialogues on this sampler's mesh (`sharding.padded_batch`)."""
     return padded_batch(rows, self.mesh)
@@ -199,8 +208,9 @@ class Sampler:
       for b, p in enumerate(part):
         tokens[b, : len(p)] = p
       window = bucket(int((lengths + n).max()), self.windows)
-      cache, logits = self._append(self.graphdef, params, cache, jnp.asarray(tokens), jnp.asarray(n),
-                                   logits, window=window)
+      with self._on_mesh():
+        cache, logits = self._append(self.graphdef, params, cache, jnp.asarray(tokens), jnp.asarray(n),
+                                     logits, window=window)
       lengths = lengths + n
     return cache, logits
 
@@ -223,9 +233,10 @@ class Sampler:
     room = np.maximum(self.max_len - reserve - lengths, 0)  # never write past the cache
     budget = np.minimum(budget, room).astype(np.int32)
     window = bucket(int(max((lengths + np.where(active, budget, 0)).max(), 1)), self.windows)
-    out = self._decode(self.graphdef, params, cache, logits, jnp.asarray(active), jnp.asarray(budget),
-                       self.stop_ids, rng, sampling, window=window, max_new=max_new_tokens,
-                       pad_id=self.pad_id)
+    with self._on_mesh():
+      out = self._decode(self.graphdef, params, cache, logits, jnp.asarray(active), jnp.asarray(budget),
+                         self.stop_ids, rng, sampling, window=window, max_new=max_new_tokens,
+                         pad_id=self.pad_id)
     cache, tokens, count, slp, mlp, stopped = out
     return DecodeResult(tokens=_host(tokens), num_tokens=_host(count), sample_logp=_host(slp),
                         model_logp=_host(mlp), stopped=_host(stopped), cache=cache)

@@ -180,6 +180,29 @@ def test_temperature_one_matches_softmax_chi_square():
   assert p > 0.01, (counts, expected, chi2)
 
 
+@pytest.mark.parametrize("temperature,top_k", [(0.5, 0), (2.0, 3)])
+def test_temperature_scales_the_distribution_chi_square(temperature, top_k):
+  """First tokens ~ softmax(logits / T) (renormalised over the top k), against float64 numpy; the
+  log-probs are log_softmax(logits / T) there and the model's log_softmax(logits)."""
+  from scipy import stats
+  raw = np.array([1.0, 0.2, -0.5, 2.0, 0.0, -1.5])
+  n = 20000
+  logits = jnp.broadcast_to(jnp.asarray(raw, jnp.float32), (n, len(raw)))  # n independent rows
+  toks, slp, mlp = jax.jit(sample)(logits, jax.random.key(7), SamplingParams.make(temperature, top_k=top_k))
+  toks = np.asarray(toks)
+  kept = np.argsort(-raw)[:top_k] if top_k else np.arange(len(raw))
+  z = np.full_like(raw, -np.inf)
+  z[kept] = raw[kept] / temperature
+  ref_slp = z - np.log(np.exp(z[kept]).sum())
+  ref_mlp = raw - np.log(np.exp(raw).sum())
+  counts = np.bincount(toks, minlength=len(raw))
+  assert counts.sum() == counts[kept].sum()  # nothing drawn outside the top k
+  chi2, p = stats.chisquare(counts[kept], np.exp(ref_slp[kept]) * n)
+  assert p > 0.01, (counts, np.exp(ref_slp) * n, chi2)
+  np.testing.assert_allclose(np.asarray(slp), ref_slp[toks], atol=1e-5)
+  np.testing.assert_allclose(np.asarray(mlp), ref_mlp[toks], atol=1e-5)
+
+
 @pytest.mark.parametrize("V", [3000, 49152])
 def test_grid_draw_matches_softmax_on_a_wide_vocabulary(V):
   """The column-then-row draw over the [R, C] view gives softmax frequencies (tokens binned by

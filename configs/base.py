@@ -94,7 +94,7 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.rl.lam = 1.0
   c.rl.whiten_advantages = True
   c.rl.reward_mode = "terminal"      # or "per_turn" (emotion deltas on each turn's last token)
-  c.rl.format_penalty = False
+  c.rl.format_penalty = False       # think mode only: a malformed reply scores 0
   c.rl.clip_low = 0.2
   c.rl.clip_high = 0.2
   c.rl.dual_clip = 0.0               # 0 = off
@@ -115,7 +115,7 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.optim.b1 = 0.9
   c.optim.b2 = 0.999
   c.optim.weight_decay = 0.01
-  c.optim.grad_clip = 1.0
+  c.optim.grad_clip = 1.0            # global-norm clip; 0 = off
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1

@@ -181,6 +181,9 @@ def simulator_backend(config, mesh):
     if not s.http_base_url or not s.http_model:
       raise ConfigError("config.simulator.http_base_url and config.simulator.http_model are required "
                         "for the http simulator backend")
+    if s.top_k != 0:  # OpenAI-style chat APIs take temperature and top_p only
+      raise ConfigError(f"config.simulator.top_k={s.top_k}: must be 0 with simulator.backend='http' "
+                        "(the chat API has no top_k)")
     return sim_backends.OpenAIChatBackend(
         s.http_base_url, s.http_model, api_key_env=s.http_api_key_env, temperature=s.temperature,
         top_p=s.top_p, max_tokens=s.max_new_tokens, timeout_s=s.http_timeout_s,

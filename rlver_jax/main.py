@@ -44,9 +44,9 @@ def main(argv):
   workdir = _WORKDIR.value or _default_workdir()
   try:
     paths = train.run(_CONFIG.value, workdir)
-  # Bad input, an unwritable workdir, or a simulator that cannot answer within its retry bound (on
-  # any host): one line, non-zero exit.
-  except (ValueError, OSError, SimulatorBackendError, ProcessZeroError) as e:
+  # Bad input, an unwritable workdir, a simulator that cannot answer within its retry bound (on any
+  # host), or a diverged update: one line, non-zero exit (--verbosity=1 logs the traceback).
+  except (ValueError, OSError, SimulatorBackendError, ProcessZeroError, train.TrainingDiverged) as e:
     logging.debug("error", exc_info=True)
     sys.exit(f"error: {e}")
   if jax.process_index() != 0:  # one summary per run, not one per host

@@ -6,13 +6,13 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 from typing import Any
 
 import jax
 from absl import logging
 from etils import epath
 
+from rlver_jax.files import replace_text
 from rlver_jax.process_zero import on_process_zero
 
 
@@ -66,7 +66,7 @@ class MetricsWriter:
     new = {**next((r for r in rows if r.get("step") == step), {}), **scalars} if merge else scalars
     row = {"step": step, **{k: v for k, v in sorted(new.items()) if k != "step"}}
     lines = [json.dumps(r) for r in rows if r.get("step", 0) < step] + [json.dumps(row)]
-    self._replace(self.path, "\n".join(lines) + "\n")
+    replace_text(self.path, "\n".join(lines) + "\n")
     if self._tensorboard and self._tb is None:
       # Opened at the first step written: a resumed run hides the events of the steps it redoes
       # (TensorBoard's purge_step), as metrics.jsonl drops their rows.
@@ -77,17 +77,6 @@ class MetricsWriter:
         if isinstance(v, float):
           self._tb.add_scalar(k, v, step)
       self._tb.flush()
-
-  @staticmethod
-  def _replace(path: epath.Path, text: str) -> None:
-    """Writes the whole file so that a kill mid-write leaves the old one: a renamed temp file
-    locally; a gs:// object is replaced in one upload anyway."""
-    if str(path).startswith("gs://"):
-      path.write_text(text)
-      return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
   def write_transcripts(self, step: int, transcripts: list[dict]) -> epath.Path | None:
     path = self.transcripts / f"step_{step:06d}.jsonl"

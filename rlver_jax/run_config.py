@@ -14,6 +14,8 @@ import numpy as np
 import ml_collections
 from etils import epath
 
+from rlver_jax.files import replace_text
+
 RUN_LENGTH_KEYS = ("total_steps", "checkpoint.", "eval.every_steps", "log.")
 
 
@@ -31,12 +33,24 @@ def _flat(d: dict, prefix: str = "") -> dict[str, object]:
   return out
 
 
+def _read_config_json(path: epath.Path) -> dict:
+  try:
+    old = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ConfigConflictError(f"{path}: not valid JSON ({e}); it records this workdir's config: fix "
+                              "or remove it, or use a new --workdir") from None
+  if not isinstance(old, dict):
+    raise ConfigConflictError(f"{path}: holds a JSON {type(old).__name__}, not a config object; fix "
+                              "or remove it, or use a new --workdir")
+  return old
+
+
 def check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Fails if WORKDIR/config.json exists and conflicts with `config` (writes nothing)."""
   path = epath.Path(workdir) / "config.json"
   new = _flat(json.loads(config.to_json()))
   if path.exists():
-    old = _flat(json.loads(path.read_text()))
+    old = _flat(_read_config_json(path))
     changed = sorted(k for k in set(old) | set(new)
                      if old.get(k) != new.get(k) and not k.startswith(RUN_LENGTH_KEYS))
     if changed:
@@ -129,7 +143,7 @@ def write_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> Non
 
   def write() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(config.to_json(indent=2, sort_keys=True) + "\n")
+    replace_text(path, config.to_json(indent=2, sort_keys=True) + "\n")
   on_process_zero(f"writing {path}", write)
 
 

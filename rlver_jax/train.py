@@ -215,9 +215,13 @@ class Trainer:
     metrics: dict[str, list] = {}
     # Policy tokens per mini-batch: the per-token metrics are averaged with these weights.
     tokens = (host_array(batch["loss_mask"]) > 0).sum(axis=(1, 2))
-    weights = [float(tokens[part::M].sum()) for part in range(M)] * c.rl.epochs
+    # A mini-batch of padding only (fewer samples than micro-batches x mini_batches) is skipped: its
+    # gradient is zero, but an AdamW step would still move the weights (momentum, weight decay) and
+    # advance the warm-up. (A step without any policy token keeps one, so its metrics exist.)
+    parts = [part for part in range(M) if tokens[part::M].sum() > 0] or [0]
+    weights = [float(tokens[part::M].sum()) for part in parts] * c.rl.epochs
     for _ in range(c.rl.epochs):
-      for part in range(M):
+      for part in parts:
         mini = {k: v[part::M] for k, v in batch.items()}
         self.state["policy"], self.state["policy_opt"], m = self.policy_up.step(
             self.state["policy"], self.state["policy_opt"], mini)
@@ -308,6 +312,20 @@ def evaluate_holdout(trainer: Trainer, rng) -> dict:
   return {f"eval/{k}": s[k] for k in ("score", "success_rate", "failure_rate", "mean_turns")}
 
 
+class TrainingDiverged(RuntimeError):
+  pass
+
+
+def check_finite_update(step: int, metrics: dict[str, float], last_saved: int | None) -> None:
+  """Stops a run whose update produced a non-finite loss or gradient, before it saves the broken
+  weights: with checkpoint.keep rotating, the good ones would soon be gone."""
+  for k in ("loss", "grad_norm", "critic/loss", "critic/grad_norm"):
+    if k in metrics and not np.isfinite(metrics[k]):
+      saved = f"step {last_saved}" if last_saved is not None else "nothing yet"
+      raise TrainingDiverged(f"step {step}: {k}={metrics[k]} after the update (training diverged); "
+                             f"stopped without saving it, the last checkpoint holds {saved}")
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
   """Trains until config.total_steps (resuming from WORKDIR/checkpoints); returns output paths."""
   from tqdm import tqdm
@@ -331,6 +349,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
           break
         step = trainer.step
         trainer.writer.write(step, metrics)
+        check_finite_update(step, metrics, trainer.checkpointer.latest_step())
         if config.log.transcripts_every and step % config.log.transcripts_every == 0:
           trainer.writer.write_transcripts(step, [d.transcript() for d in trainer._last_dialogues])
         preempted = guard.agreed()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from rlver_jax import build
-from rlver_jax.env import simulator_prompts
+from rlver_jax.env import rollout, simulator_prompts
 from rlver_jax.rl import losses
 
 
@@ -19,7 +19,7 @@ def _sampling(section) -> list[tuple]:
 def check_training_config(config) -> None:
   """Raises build.ConfigError naming the first bad key."""
   build.check_algo(config)
-  r, s, e = config.rl, config.simulator, config.eval
+  r, s, e, o = config.rl, config.simulator, config.eval, config.optim
   evaluating = e.every_steps > 0
   checks = [
       ("total_steps", config.total_steps, config.total_steps >= 0, ">= 0"),
@@ -32,6 +32,31 @@ def check_training_config(config) -> None:
       ("rl.kl_kind", r.kl_kind, r.kl_kind in losses.KL_KINDS, f"one of {losses.KL_KINDS}"),
       ("rl.dual_clip", r.dual_clip, r.dual_clip == 0 or r.dual_clip > 1, "0 (off) or > 1"),
       ("rl.tis_cap", r.tis_cap, r.tis_cap >= 0, ">= 0 (0 = off)"),
+      ("rl.reward_mode", r.reward_mode, r.reward_mode in rollout.REWARD_MODES,
+       f"one of {rollout.REWARD_MODES}"),
+      ("rl.gamma", r.gamma, 0 <= r.gamma <= 1, "in [0, 1]"),
+      ("rl.lam", r.lam, 0 <= r.lam <= 1, "in [0, 1]"),
+      ("rl.clip_low", r.clip_low, 0 < r.clip_low < 1, "in (0, 1)"),
+      ("rl.clip_high", r.clip_high, r.clip_high > 0, "> 0"),
+      ("rl.value_clip", r.value_clip, r.value_clip >= 0, ">= 0 (0 = off)"),
+      ("rl.entropy_coef", r.entropy_coef, r.entropy_coef >= 0, ">= 0"),
+      ("rl.kl_coef", r.kl_coef, r.kl_coef >= 0, ">= 0"),
+      ("rl.logits_chunk", r.logits_chunk, r.logits_chunk >= 1, ">= 1"),
+      # A format penalty needs a format to check: only think mode asks for one.
+      ("rl.format_penalty", r.format_penalty, not r.format_penalty or config.policy.think,
+       "False unless policy.think=True (no-think replies have no format to penalise)"),
+      ("optim.actor_lr", o.actor_lr, o.actor_lr > 0, "> 0"),
+      ("optim.critic_lr", o.critic_lr, o.critic_lr > 0, "> 0"),
+      ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0"),
+      ("optim.b1", o.b1, 0 <= o.b1 < 1, "in [0, 1)"),
+      ("optim.b2", o.b2, 0 <= o.b2 < 1, "in [0, 1)"),
+      ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+      ("optim.grad_clip", o.grad_clip, o.grad_clip >= 0, ">= 0 (0 = off)"),
+      ("policy.language", config.policy.language,
+       config.policy.language in ("",) + simulator_prompts.LANGUAGES,
+       f"'' (each profile's own) or one of {simulator_prompts.LANGUAGES}"),
+      # The HTTP backend sends temperature and top_p only (OpenAI-style APIs have no top_k).
+      ("simulator.top_k", s.top_k, s.backend != "http" or s.top_k == 0, "0 with simulator.backend='http'"),
       ("simulator.style", s.style, s.style in simulator_prompts.STYLES,
        f"one of {simulator_prompts.STYLES}"),
       ("simulator.max_turns", s.max_turns, s.max_turns >= 1, ">= 1"),

@@ -107,18 +107,62 @@ def test_a_failed_start_leaves_the_workdir_usable(world, tmp_path):
   assert (tmp_path / "config.json").exists()
 
 
-@pytest.mark.parametrize("key,value", [
-    ("rl.loss_agg", "token_mean"), ("rl.kl_kind", "k4"), ("rl.mini_batches", 0), ("rl.epochs", 0),
-    ("rl.micro_batch_size", 0), ("eval.max_turns", 0), ("eval.temperature", -1.0),
-    ("data.num_holdout", 0), ("simulator.style", "grumpy"), ("simulator.start_emotion", 120)])
-def test_settings_used_late_are_checked_at_start(world, tmp_path, key, value):
-  # These used to fail at the first update or evaluation (after a rollout), leaving a config.json
-  # that then refused the corrected command; rl.epochs=0 trained nothing without a word.
+@pytest.mark.parametrize("key,value,algo,extra", [
+    ("rl.loss_agg", "token_mean", "grpo", {}), ("rl.kl_kind", "k4", "grpo", {}),
+    ("rl.mini_batches", 0, "grpo", {}), ("rl.epochs", 0, "grpo", {}),
+    ("rl.micro_batch_size", 0, "grpo", {}), ("eval.max_turns", 0, "grpo", {}),
+    ("eval.temperature", -1.0, "grpo", {}), ("data.num_holdout", 0, "grpo", {}),
+    ("simulator.style", "grumpy", "grpo", {}), ("simulator.start_emotion", 120, "grpo", {}),
+    ("rl.reward_mode", "per-turn", "ppo", {}), ("rl.logits_chunk", 0, "grpo", {}),
+    ("rl.gamma", 1.5, "ppo", {}), ("rl.lam", -0.1, "ppo", {}), ("rl.clip_low", 1.5, "grpo", {}),
+    ("rl.value_clip", -0.5, "ppo", {}), ("rl.format_penalty", True, "grpo", {}),
+    ("optim.actor_lr", -1e-6, "grpo", {}), ("optim.grad_clip", -1.0, "grpo", {}),
+    ("optim.b2", 1.0, "grpo", {}), ("policy.language", "fr", "grpo", {}),
+    ("simulator.top_k", 20, "grpo", {"simulator.backend": "http"})])
+def test_settings_used_late_are_checked_at_start(world, tmp_path, key, value, algo, extra):
+  # These used to fail at the first update, rollout or evaluation, leaving a config.json that then
+  # refused the corrected command; others (rl.epochs=0, a negative grad_clip or learning rate,
+  # format_penalty without think, top_k over HTTP) changed training without a word.
   evaluating = {"eval.every_steps": 1, "data.num_holdout": 1, "eval.num_profiles": 0}
-  bad = _config(world, "grpo", total_steps=1, **{**evaluating, key: value})
+  bad = _config(world, algo, total_steps=1, **{**evaluating, **extra, key: value})
   with pytest.raises(ValueError, match=re.escape(f"config.{key}=")):
     train.Trainer(bad, str(tmp_path))
   assert not (tmp_path / "config.json").exists()
+
+
+def test_an_unreadable_config_json_is_named_and_kept(world, tmp_path):
+  for text, problem in [('{"algo": "grpo", ', "not valid JSON"), ("[1, 2]", "JSON list")]:
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "config.json")) + ".*" + problem):
+      train.Trainer(_config(world, "grpo", total_steps=1), str(tmp_path))
+    assert (tmp_path / "config.json").read_text() == text
+
+
+def _update_counts(opt_state) -> set[int]:
+  """Every `count` in an optax state: how many updates it has taken."""
+  leaves = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+  return {int(v) for path, v in leaves if "count" in jax.tree_util.keystr(path)}
+
+
+def test_padding_only_mini_batches_take_no_optimizer_step(world, tmp_path):
+  # 2 PPO samples in 2 mini-batches of 16-row micro-batches (2 rows x 8 shards): the second holds
+  # padding only. An AdamW step on its zero gradient would still move every weight.
+  config = _config(world, "ppo", total_steps=1, **{"rl.profiles_per_step": 2, "rl.micro_batch_size": 2,
+                                                     "rl.mini_batches": 2})
+  trainer = train.Trainer(config, str(tmp_path))
+  metrics = trainer.train_step()
+  assert metrics["samples"] == 2
+  assert _update_counts(trainer.state["policy_opt"]) == {1}
+  assert _update_counts(trainer.state["critic_opt"]) == {1}
+
+
+def test_a_diverged_update_stops_before_it_is_saved():
+  train.check_finite_update(3, {"loss": 0.5, "grad_norm": 2.0, "critic/loss": 1.0}, 2)
+  for key in ("loss", "grad_norm", "critic/loss", "critic/grad_norm"):
+    with pytest.raises(train.TrainingDiverged, match=f"step 3: {key}=nan .*checkpoint holds step 2"):
+      train.check_finite_update(3, {"loss": 0.5, "grad_norm": 1.0, key: float("nan")}, 2)
+  with pytest.raises(train.TrainingDiverged, match="grad_norm=inf .*holds nothing yet"):
+    train.check_finite_update(1, {"loss": 0.5, "grad_norm": float("inf")}, None)
 
 
 def test_a_failing_evaluation_keeps_the_steps_checkpoint(world, tmp_path, monkeypatch):

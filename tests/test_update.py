@@ -115,3 +115,71 @@ def test_metrics_weight_micro_batches_by_their_tokens():
   for k in ("ratio_mean", "clip_frac", "approx_kl", "ratio_max", "ratio_min", "loss"):
     np.testing.assert_allclose(float(many[k]), float(one[k]), rtol=1e-5, err_msg=k)
   assert float(one["clip_frac"]) > 0  # the ratios are far enough from 1 to clip
+
+
+def _log_softmax(x):
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_policy_loss_equals_a_hand_computed_total():
+  """PPO clipped surrogate - entropy_coef * entropy + kl_coef * k3 KL, token-mean, from the model's
+  full logits in numpy: catches a wrong sign or term anywhere in the total."""
+  model = create_model(CFG, dtype=jnp.float32, seed=4)
+  rng = np.random.RandomState(3)
+  batch = _batch(rng)
+  batch["ref_logp"] = batch["old_logp"] + rng.randn(*batch["old_logp"].shape).astype(np.float32) * 0.3
+  cfg = LossConfig(clip_low=0.2, clip_high=0.3, entropy_coef=0.05, kl_coef=0.4, kl_kind="k3")
+  up = Updater(model, optax.sgd(0.0), "policy", cfg)
+  params = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+  _, _, metrics = up.step(params, up.init(params), _split(batch, 2))
+
+  logits = np.asarray(model(jnp.asarray(batch["tokens"]), segment_ids=jnp.asarray(batch["segment_ids"])),
+                      np.float64)
+  logq = _log_softmax(logits[:, :-1])  # position t-1 predicts token t
+  tok = batch["tokens"][:, 1:]
+  logp = np.take_along_axis(logq, tok[..., None], -1)[..., 0]
+  ent = -(np.exp(logq) * logq).sum(-1)
+  m = batch["loss_mask"][:, 1:].astype(np.float64)
+  adv, old, ref = (batch[k][:, 1:].astype(np.float64) for k in ("advantages", "old_logp", "ref_logp"))
+  ratio = np.exp(logp - old)
+  pg = np.maximum(-adv * ratio, -adv * np.clip(ratio, 1 - 0.2, 1 + 0.3))
+  d = ref - logp
+  kl = np.exp(d) - d - 1
+  mean = lambda x: (x * m).sum() / m.sum()
+  assert batch["loss_mask"][:, 0].sum() == 0  # position 0 has no prediction: never trained
+  want = mean(pg) - 0.05 * mean(ent) + 0.4 * mean(kl)
+  np.testing.assert_allclose(float(metrics["loss"]), want, rtol=2e-5)
+  np.testing.assert_allclose(float(metrics["entropy"]), mean(ent), rtol=2e-5)
+  np.testing.assert_allclose(float(metrics["kl_loss"]), mean(kl), rtol=2e-5)
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 1.0])
+def test_optimizer_clips_by_global_norm_then_adamw(grad_clip):
+  """Against plain optax.adamw on hand-clipped gradients: a norm-5 then a norm-0.5 gradient (Adam's
+  first step ignores the gradient's scale, its second does not)."""
+  from rlver_jax.rl.update import OptimConfig, make_optimizer
+  cfg = OptimConfig(learning_rate=0.1, warmup_steps=0, weight_decay=0.01, grad_clip=grad_clip)
+  ours, plain = make_optimizer(cfg), optax.adamw(0.1, weight_decay=0.01)
+  p = q = jnp.array([1.0, -2.0])
+  s, t = ours.init(p), plain.init(q)
+  for g in (jnp.array([3.0, 4.0]), jnp.array([0.3, -0.4])):
+    norm = float(jnp.linalg.norm(g))
+    g_clipped = g * min(1.0, grad_clip / norm) if grad_clip else g
+    u, s = ours.update(g, s, p)
+    v, t = plain.update(g_clipped, t, q)
+    p, q = optax.apply_updates(p, u), optax.apply_updates(q, v)
+  np.testing.assert_allclose(np.asarray(p), np.asarray(q), rtol=1e-6)
+  unclipped = optax.adamw(0.1, weight_decay=0.01)
+  r, w = jnp.array([1.0, -2.0]), None
+  w = unclipped.init(r)
+  for g in (jnp.array([3.0, 4.0]), jnp.array([0.3, -0.4])):
+    u, w = unclipped.update(g, w, r)
+    r = optax.apply_updates(r, u)
+  assert np.allclose(np.asarray(p), np.asarray(r)) == (grad_clip == 0.0)  # clipping did something
+
+
+def test_optimizer_refuses_a_negative_clip():
+  from rlver_jax.rl.update import OptimConfig, make_optimizer
+  with pytest.raises(ValueError, match="grad_clip=-1"):
+    make_optimizer(OptimConfig(grad_clip=-1.0))

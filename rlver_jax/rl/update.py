@@ -50,13 +50,18 @@ class OptimConfig:
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-  """Clip by global norm, then AdamW with a linear warm-up to a constant learning rate."""
+  """Clip by global norm (grad_clip > 0; 0 = off), then AdamW with a linear warm-up to a constant
+  learning rate."""
   schedule = optax.join_schedules(
       [optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1)),
        optax.constant_schedule(cfg.learning_rate)], [max(cfg.warmup_steps, 1)])
   if cfg.warmup_steps <= 0:
     schedule = optax.constant_schedule(cfg.learning_rate)
-  return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+  if cfg.grad_clip < 0:
+    raise ValueError(f"grad_clip={cfg.grad_clip}: must be >= 0 (0 = off)")
+  # identity() keeps the chain's state layout, so a checkpoint does not depend on the setting.
+  clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
+  return optax.chain(clip,
                      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
 
 

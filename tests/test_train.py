@@ -328,3 +328,16 @@ def test_sigterm_during_a_rollout_saves_the_last_step_and_resumes_exactly(world,
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(x, y)
   assert [m["reward_mean"] for m in _metrics(straight)] == [m["reward_mean"] for m in _metrics(interrupted)]
+
+
+def test_checkpoints_keep_the_latest_and_skip_steps_between_saves(tmp_path):
+  ckpt = Checkpointer(str(tmp_path), every_steps=2, keep=2)
+  saved = [s for s in range(1, 8) if ckpt.should_save(s, total_steps=7)]
+  assert saved == [2, 4, 6, 7]  # every 2 steps, and the last one
+  for s in saved:
+    ckpt.save(s, {"w": np.full(3, float(s), np.float32)}, {"step": s})
+  ckpt.wait()
+  assert ckpt.all_steps() == [6, 7]
+  state, meta = ckpt.restore({"w": jax.ShapeDtypeStruct((3,), np.float32)})
+  assert meta == {"step": 7} and np.asarray(state["w"]).tolist() == [7.0] * 3
+  ckpt.close()

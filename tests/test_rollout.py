@@ -11,6 +11,7 @@ from flax import nnx
 
 from rlver_jax.env.backends import ScriptedBackend
 from rlver_jax.env.chat import policy_system_prompt
+from rlver_jax.env.evaluation import summarize
 from rlver_jax.env.model_backend import ModelBackend
 from rlver_jax.env.profiles import load_demo_profiles
 from rlver_jax.env.rollout import RolloutConfig, _finish, _Row, run_dialogues
@@ -228,6 +229,98 @@ def test_a_reply_that_fills_the_cache_ends_the_dialogue(smol, tiny_policy):
       s = d.samples[0]
       assert len(s.tokens) == len(s.loss_mask) == len(s.sampler_logp) <= 256
       assert s.tokens[-1] == chat.im_end and s.loss_mask[-1] == 0  # closed by us, not sampled
+
+
+def _opening_prompt_length(chat, profile):
+  probe = SimulatedUsers([profile], ScriptedBackend(), start_emotion=30)
+  opening = probe.opening()[0]
+  return len(chat.conversation([{"role": "system", "content": policy_system_prompt(False, "en")},
+                                {"role": "user", "content": opening}], add_generation_prompt=True))
+
+
+def test_an_opening_prompt_without_room_for_a_reply_is_an_error(smol, tiny_policy):
+  # With max_len = prompt + 1 the decode budget is 0 (one slot is kept for <|im_end|>): the policy
+  # turn would be empty and the simulator would still judge it.
+  _, chat = smol
+  model, _ = tiny_policy
+  profiles = load_demo_profiles()[:1]
+  n = _opening_prompt_length(chat, profiles[0])
+  cfg = RolloutConfig(think=False, max_new_tokens=4)
+  sampler = Sampler(model, max_len=n + 1, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
+                    append_buckets=(64, 512))
+  users = SimulatedUsers(profiles, ScriptedBackend(), start_emotion=30, max_turns=2)
+  with pytest.raises(ValueError, match=rf"opening prompt is {n} tokens.*policy\.max_context={n + 1}"):
+    run_dialogues(profiles, [0], users, sampler=sampler, params=nnx.state(model), chat=chat,
+                  cfg=cfg, rng=jax.random.key(0))
+  assert users.records[0].policy_replies == [] and users.records[0].emotions == [30]
+  # One more slot: a one-token reply, judged, then the context is full.
+  sampler = Sampler(model, max_len=n + 2, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
+                    append_buckets=(64, 512))
+  users = SimulatedUsers(profiles, ScriptedBackend(), start_emotion=30, max_turns=2)
+  [d] = run_dialogues(profiles, [0], users, sampler=sampler, params=nnx.state(model), chat=chat,
+                      cfg=cfg, rng=jax.random.key(0))
+  assert len(d.policy_replies) == 1 and d.termination == "context_full"
+  assert sum(d.samples[0].loss_mask) == 1 and d.samples[0].turn_ends == [n]
+
+
+def test_recorded_logps_at_temperature_below_one(smol, tiny_policy, monkeypatch):
+  # At T=1 the sampling and model log-probs coincide; at T=0.7 the recorded ones must be the
+  # sampling distribution's, log_softmax(logits / T), and the model's stay log_softmax(logits).
+  _, chat = smol
+  model, sampler = tiny_policy
+  temperature = 0.7
+  decoded = []
+  decode = sampler.decode
+  monkeypatch.setattr(sampler, "decode", lambda *a, **k: decoded.append(decode(*a, **k)) or decoded[-1])
+  cfg = RolloutConfig(think=False, max_new_tokens=6, temperature=temperature)
+  dialogues, _ = _rollout(smol, tiny_policy, cfg, load_demo_profiles()[:2], max_turns=2, seed=7)
+  gap = 0.0
+  for b, d in enumerate(dialogues):
+    s = d.samples[0]
+    logits = np.asarray(model(jnp.asarray([s.tokens]))[0], np.float64)  # a full forward, no cache
+    spans = _spans(s.loss_mask)
+    assert len(spans) == len(d.policy_replies) >= 1
+    for k, (start, end) in enumerate(spans):
+      res = decoded[k]
+      assert res.row(b) == s.tokens[start:end]
+      tokens = np.array(s.tokens[start:end])
+      prev = logits[start - 1:end - 1]
+      scaled = prev / temperature
+      want_sample = scaled[np.arange(len(tokens)), tokens] - _logsumexp(scaled)
+      want_model = prev[np.arange(len(tokens)), tokens] - _logsumexp(prev)
+      np.testing.assert_allclose(s.sampler_logp[start:end], want_sample, atol=2e-3)
+      np.testing.assert_allclose(res.model_logp[b, :end - start], want_model, atol=2e-3)
+      gap = max(gap, float(np.abs(want_sample - want_model).max()))
+  assert gap > 0.1  # the two distributions differ enough to tell apart
+
+
+def _logsumexp(x):
+  m = x.max(-1)
+  return m + np.log(np.exp(x - m[:, None]).sum(-1))
+
+
+@pytest.mark.parametrize("penalised", [False, True])
+def test_rates_are_on_the_reward(penalised):
+  # Finals 100, 100, 45, 5: the first under a format penalty when `penalised` (reward 0).
+  profile = load_demo_profiles()[0]
+  cfg = RolloutConfig(think=True, keep_thoughts=True, format_penalty=True)
+  dialogues = []
+  for i, changes in enumerate([[10] * 7, [10] * 7, [10, 5], [-10, -10, -5]]):
+    rec = _record(30, changes, profile)
+    n = len(changes)
+    ok = [not (penalised and i == 0)] + [True] * (n - 1)
+    row = _Row(ctx=list(range(2 * n)), mask=[0, 1] * n, logp=[0.0] * 2 * n,
+               turn_ends=[2 * t + 1 for t in range(n)], format_ok=ok)
+    dialogues.append(_finish(0, row, profile, 0, SimpleNamespace(records=[rec]), cfg))
+  assert [d.final_emotion for d in dialogues] == [100, 100, 45, 5]
+  assert [d.reward for d in dialogues] == pytest.approx([0.0 if penalised else 1.0, 1.0, 0.45, 0.05])
+  s = summarize(dialogues)
+  assert s["score"] == pytest.approx(62.5)
+  assert s["success_rate"] == pytest.approx(0.25 if penalised else 0.5)
+  assert s["failure_rate"] == pytest.approx(0.5 if penalised else 0.25)
+  assert s["positive_rate"] == pytest.approx(0.5 if penalised else 0.75)
+  [group] = s["by_task"].values()
+  assert group["success_rate"] == s["success_rate"] and group["failure_rate"] == s["failure_rate"]
 
 
 def test_colocated_model_backend_two_dialogues(smol):

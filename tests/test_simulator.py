@@ -112,6 +112,42 @@ def test_parse_change_no_change_is_zero(text):
   assert parse_change(text) == 0
 
 
+@pytest.mark.parametrize("text,expected", [
+    # A later label whose value is prose does not hide the real change line.
+    ("Feeling: worse.\nChange: -3\nThat is quite a change: I feel worse…", -3),
+    ("感受：难过。\n变化：-3\n（总的来说情绪变化：不大）", -3),
+    ("Change: +2\nChange: not sure\nChange: hard to say", 2),
+    # A signed first number is the change, whatever follows it.
+    ("Change: +3 -> 33", 3),
+    ("变化：-2 → 28", -2),
+    ("Change: ±0", 0),
+    ("变化：±0", 0),
+    ("Change ±0", 0),
+    ("Change: +00005", 5),
+    ("变化：－００７", -7),
+    ("Change: 0", 0),
+    # Decimals round to the nearest integer, halves away from zero.
+    ("Change: +2.5", 3),
+    ("Change: -2.5", -3),
+    ("Change: 2.4", 2),
+    ("Change: -0.5", -1),
+    ("Change: +0.49", 0),
+    ("变化：+9.6", 10),
+    ("Change: 3.\nThat is all.", 3),
+])
+def test_parse_change_reads_the_last_readable_label(text, expected):
+  assert parse_change(text) == expected
+
+
+@pytest.mark.parametrize("text", [
+    "Change: ±3",  # no direction
+    "Change: 2.5 to 3.5", "Change: 30 -> 35",  # unsigned before/after pairs stay unreadable
+    "Change: not sure\nThat is quite a change: I feel worse",  # no label has a value
+])
+def test_parse_change_still_unreadable(text):
+  assert parse_change(text) is None
+
+
 def test_parse_change_non_strings():
   for value in (None, 3, b"Change: +3", ["Change: +3"]):
     assert parse_change(value) is None
@@ -151,6 +187,8 @@ def test_parse_change_fuzz():
 def test_parse_change_huge_number_does_not_raise():
   assert parse_change("Change: " + "9" * 100_000) == 10
   assert parse_change("变化：-" + "７" * 50_000) == -10
+  assert parse_change("Change: +" + "0" * 100_000 + "4") == 4
+  assert parse_change("change:" * 100_000) is None  # many unreadable labels: still quick
 
 
 # --- Small pure helpers -------------------------------------------------------------------------
@@ -173,6 +211,12 @@ def test_apply_change_clips():
     ("规划：简短。\n回复：“嗯，好吧。”", "嗯，好吧。"),
     ("Reply: draft one\nReply: final one", "final one"),
     ("Reply:   'Just a line'  ", "Just a line"),
+    # Only the marker's line: notes after it are private.
+    ("Plan: stay guarded.\nReply: I guess so.\n\n(Note: I kept my real wish hidden.)", "I guess so."),
+    ("规划：别说破。\n回复：“随便吧。”\n（其实我很在意）", "随便吧。"),
+    ("Reply:\n\n  \"Okay.\"\nNote: I lied.", "Okay."),  # nothing on the marker's line
+    ("**Reply:**\r\nFine.\r\nNote: not fine.", "Fine."),
+    ("**Reply: I guess so.**", "I guess so."),
 ])
 def test_extract_reply(text, expected):
   assert extract_reply(text) == expected

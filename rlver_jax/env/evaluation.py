@@ -17,16 +17,19 @@ def _key_or_raw(fn, profile) -> str:
     return "other"
 
 
-def _rates(finals: np.ndarray) -> dict[str, float]:
-  return {"score": float(finals.mean()), "success_rate": float((finals >= 100).mean()),
-          "failure_rate": float((finals < 10).mean()), "positive_rate": float((finals > 40).mean()),
+def _rates(finals: np.ndarray, rewards: np.ndarray) -> dict[str, float]:
+  # The rates are on the reward (spec §5): a format-penalised dialogue that ends at 100 earns 0 and
+  # is no success. Without a penalty the reward is final / 100, so they match the Sentient ones.
+  return {"score": float(finals.mean()), "success_rate": float((rewards >= 1.0).mean()),
+          "failure_rate": float((rewards < 0.1).mean()), "positive_rate": float((rewards > 0.4).mean()),
           "num_dialogues": int(finals.size)}
 
 
 def summarize(dialogues: Sequence[Dialogue]) -> dict:
-  """score = mean final emotion (0-100); success: ends at 100; failure: ends below 10."""
+  """score = mean final emotion (0-100); success: reward >= 1; failure: reward < 0.1; positive:
+  reward > 0.4 (reward = final emotion / 100, or 0 under a format penalty)."""
   finals = np.array([d.final_emotion for d in dialogues], np.float64)
-  out = _rates(finals)
+  out = _rates(finals, np.array([d.reward for d in dialogues], np.float64))
   out["mean_turns"] = float(np.mean([len(d.policy_replies) for d in dialogues]))
   for key in ("parse_failures", "reply_failures", "silent_replies"):
     out[key] = int(sum(getattr(d, key) for d in dialogues))
@@ -34,6 +37,8 @@ def summarize(dialogues: Sequence[Dialogue]) -> dict:
   for name, fn in (("by_task", intention_key), ("by_main_cha", personality_key)):
     groups = collections.defaultdict(list)
     for d in dialogues:
-      groups[_key_or_raw(fn, d.profile)].append(d.final_emotion)
-    out[name] = {k: _rates(np.array(v, np.float64)) for k, v in sorted(groups.items())}
+      groups[_key_or_raw(fn, d.profile)].append(d)
+    out[name] = {k: _rates(np.array([d.final_emotion for d in v], np.float64),
+                           np.array([d.reward for d in v], np.float64))
+                 for k, v in sorted(groups.items())}
   return out

@@ -143,6 +143,12 @@ def run_dialogues(profiles: Sequence[Profile], group_ids: Sequence[int], users: 
     lang = cfg.language or p.language
     ctx = chat.conversation([{"role": "system", "content": policy_system_prompt(cfg.think, lang)},
                              {"role": "user", "content": opening}], add_generation_prompt=True)
+    # Room must remain for at least one sampled token and the closing <|im_end|>; else the policy's
+    # turn would be empty and the simulator would judge a reply nobody wrote.
+    if len(ctx) + 2 > sampler.max_len:
+      raise ValueError(f"dialogue {len(rows)} (profile {p.id}): the opening prompt is {len(ctx)} "
+                       f"tokens, leaving no room for a reply within policy.max_context="
+                       f"{sampler.max_len} (needs at least {len(ctx) + 2})")
     rows.append(_Row(ctx=ctx, mask=[0] * len(ctx), logp=[0.0] * len(ctx)))
   C = sampler.padded_rows(B)  # cache rows: B dialogues, then inactive rows up to a sharded batch
   cache, logits = sampler.prefill(params, sampler.init_cache(C),

@@ -9,8 +9,8 @@ is an append-only chat message list (see simulator_prompts for the texts):
   [user (correction: redo the analysis) -> assistant]  at most `max_parse_retries` times
   user (new state, reply-step instruction) -> assistant (plan ... "Reply: <text>")
   [user (correction: end with the reply line) -> assistant]  at most `max_parse_retries` times
-Only the text after the last reply marker reaches the policy. An answer without one (or with
-nothing after it) is re-asked like an unreadable change line; the text before a marker is private
+Only the line of the last reply marker reaches the policy. An answer without one (or with nothing
+after it) is re-asked like an unreadable change line; the text around that line is private
 planning, so after the retries the user says nothing that turn (`_SILENT_REPLY`).
 
 Rows are dialogue ids fixed at construction; every call addresses rows by id, never by position
@@ -34,9 +34,9 @@ MAX_CHANGE = 10
 # A change label: "change"/"变化" followed by a colon (after optional markdown) or directly a number.
 _CHANGE_LABEL = re.compile(
     r"(?:(?<![a-z])change(?![a-z])|变化(?:值|量|分数|分值)?)"
-    r"[\s*_]*(?:[:：=]|(?=[+\-−－＋﹢﹣–]?\s*[0-9０-９]))",
+    r"[\s*_]*(?:[:：=]|(?=[+\-−－＋﹢﹣–±]?\s*[0-9０-９]))",
     re.IGNORECASE)
-_SIGNS = "+\\-−－＋﹢﹣–"
+_SIGNS = "+\\-−－＋﹢﹣–±"
 _MINUS = "-−－﹣–"
 _FULLWIDTH_DIGITS = str.maketrans("０１２３４５６７８９", "0123456789")
 # Markdown, quotes, opening brackets and spaces a model may wrap around the value.
@@ -49,7 +49,7 @@ _DOWN = (r"下降|减少|降低|下跌|(?:down|minus|decrease[sd]?|decreasing|dr
 _WORD_BEFORE = re.compile(
     rf"(?:(?P<up>{_UP}|升|加|涨)|(?P<down>{_DOWN}|降|减|跌))(?:\s{{0,3}}(?:by|of)(?![a-z])|了)?",
     re.IGNORECASE)
-_NUMBER = re.compile(rf"([{_SIGNS}]?)\s{{0,3}}([0-9０-９]+)")
+_NUMBER = re.compile(rf"([{_SIGNS}]?)\s{{0,3}}([0-9０-９]+)(?:[.．]([0-9０-９]+))?")
 _UNIT = r"(?:\s{0,3}(?:points?|pts?|分|点)(?![a-z]))?"
 _WORD_AFTER = re.compile(rf"{_UNIT}[\s(（]{{0,3}}(?:(?P<up>{_UP})|(?P<down>{_DOWN}))", re.IGNORECASE)
 # "30 to 35", "30→35", "30升到35": a before/after pair of emotion values, not a change.
@@ -62,59 +62,85 @@ _NO_CHANGE = re.compile(
     r"(?:none|no\s+change|unchanged|nothing|zero|无|无变化|没有变化|没变化|没变|不变|保持不变|零)",
     re.IGNORECASE)
 _TRAILING_PUNCT = " \t\u3000*_`\"'“”‘’「」.。!！,，;；()（）"
-_REPLY_LABEL = re.compile(r"(?:(?<![a-z])reply(?![a-z])|回复)[\s*_]*[:：][\s*_]*", re.IGNORECASE)
+_REPLY_LABEL = re.compile(r"(?:(?<![a-z])reply(?![a-z])|回复)[\s*_]*[:：]", re.IGNORECASE)
+_MARKDOWN = " \t\u3000*_"
+# Line breaks as str.splitlines sees them.
+_LINE = re.compile("[^\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]*")
+# Labels tried from the last one back: a bound keeps a huge answer made of labels linear.
+_MAX_LABELS_TRIED = 16
 _QUOTES = (('"', '"'), ("'", "'"), ("“", "”"), ("‘", "’"), ("「", "」"), ("『", "』"))
 
 
 def parse_change(text: object) -> int | None:
-  """The change stated after the last change label, clamped to [-10, 10]; None if unreadable.
+  """The change stated after the last change label with a readable value, clamped to [-10, 10];
+  None if no label has one.
 
-  Only the label's own line is read (or, when nothing follows the label there, the next non-blank
-  line), and the value must come first on it: an optional sign and/or direction word, then the
-  integer. Direction words mean + (上升/增加/up/plus/increase/rise, ...) or - (下降/减少/down/minus/
-  decrease/drop/fall, ...); they may also follow the number ("3 points down", "3（下降）"). A sign
-  that contradicts a direction word, a before/after pair ("30 to 35", "30→35", "从30到35") or any
-  other text first is None, so the driver asks again. A worded no-change filling the whole value
-  ("none", "no change", "无", "不变", ...) is 0. Never raises: any input gives an int or None.
+  Labels are tried from the last one back (a later "change:" in prose does not hide the real
+  line). Only a label's own line is read (or, when nothing follows the label there, the next
+  non-blank line), and the value must come first on it: an optional sign and/or direction word,
+  then the number. A decimal is rounded to the nearest integer, halves away from zero ("+2.5" is 3);
+  "±0" is 0 ("±" with any other number is unreadable). Direction words mean + (上升/增加/up/plus/
+  increase/rise, ...) or - (下降/减少/down/minus/decrease/drop/fall, ...); they may also follow the
+  number ("3 points down", "3（下降）"). A sign that contradicts a direction word, an unsigned
+  before/after pair ("30 to 35", "30→35", "从30到35"; "+3 -> 33" is the change +3) or any other text
+  first is unreadable. A worded no-change filling the whole value ("none", "no change", "无", "不变",
+  ...) is 0. Never raises: any input gives an int or None.
   """
   if not isinstance(text, str):
     return None
-  labels = list(_CHANGE_LABEL.finditer(text))
-  if not labels:
-    return None
-  value = _value_line(text, labels[-1].end())
-  if _NO_CHANGE.fullmatch(value.strip(_TRAILING_PUNCT)):
-    return 0
-  return _read_amount(value.strip(_DECOR))
+  for label in list(_CHANGE_LABEL.finditer(text))[::-1][:_MAX_LABELS_TRIED]:
+    value = _value_line(text, label.end())
+    if _NO_CHANGE.fullmatch(value.strip(_TRAILING_PUNCT)):
+      return 0
+    amount = _read_amount(value.strip(_DECOR))
+    if amount is not None:
+      return amount
+  return None
 
 
 def _value_line(text: str, start: int) -> str:
   """The rest of the label's line, or the next non-blank line when that rest is empty."""
-  lines = text[start:].splitlines()
-  if not lines or lines[0].strip(_DECOR):
-    return lines[0] if lines else ""
-  return next((line for line in lines[1:] if line.strip(_DECOR)), "")
+  return _first_filled_line(text, start, _DECOR)
+
+
+def _first_filled_line(text: str, pos: int, strip: str) -> str:
+  """The rest of the line at `pos`, else the first later line with more than `strip` characters."""
+  while pos <= len(text):
+    line = _LINE.match(text, pos).group()
+    if line.strip(strip):
+      return line
+    pos += len(line) + 1  # past the break ("\r\n" just gives one more blank line)
+  return ""
 
 
 def _read_amount(value: str) -> int | None:
-  """A signed and/or worded integer at the start of `value` (see `parse_change`)."""
+  """A signed and/or worded number at the start of `value` (see `parse_change`)."""
   directions = set()
   word = _WORD_BEFORE.match(value)
   if word:
     directions.add(1 if word.group("up") else -1)
     value = value[word.end():].lstrip(_DECOR)
   number = _NUMBER.match(value)
-  if number is None or _RANGE_AFTER.match(value, number.end()):
+  if number is None:
     return None
-  if number.group(1):
-    directions.add(-1 if number.group(1) in _MINUS else 1)
+  sign = number.group(1)
+  # A sign marks the first number as a change, so "+3 -> 33" is +3; unsigned, it is a value.
+  if not sign and _RANGE_AFTER.match(value, number.end()):
+    return None
+  if sign and sign != "±":
+    directions.add(-1 if sign in _MINUS else 1)
   after = _WORD_AFTER.match(value, number.end())
   if after:
     directions.add(1 if after.group("up") else -1)
   if len(directions) > 1:  # e.g. "下降+3": which one did the model mean?
     return None
-  # Long digit runs are far outside the clamp; cutting them keeps int() cheap and safe.
-  magnitude = int(number.group(2).translate(_FULLWIDTH_DIGITS)[:4])
+  # Zeros first, then the cut: long digit runs are far outside the clamp, and cutting them keeps
+  # int() cheap and safe.
+  digits = number.group(2).translate(_FULLWIDTH_DIGITS).lstrip("0")[:4]
+  fraction = (number.group(3) or "0").translate(_FULLWIDTH_DIGITS)
+  magnitude = int(digits or "0") + (fraction[0] >= "5")  # halves away from zero
+  if sign == "±" and magnitude:
+    return None  # "±3": no direction
   value = -magnitude if directions == {-1} else magnitude
   return max(-MAX_CHANGE, min(MAX_CHANGE, value))
 
@@ -151,12 +177,14 @@ _SILENT_REPLY = {"en": "...", "zh": "……"}
 
 
 def extract_reply(text: str) -> str | None:
-  """The text after the last reply marker, stripped of quotes; None when there is no marker or
-  nothing follows the last one. Text before a marker is never used: it is the user's planning."""
+  """The line of the last reply marker (or, when nothing follows the marker there, the next
+  non-blank line), stripped of quotes; None when there is no marker or no such line. Nothing else
+  is used: the text around that line is the user's planning or private notes."""
   markers = list(_REPLY_LABEL.finditer(text))
   if not markers:
     return None
-  return _strip_quotes(text[markers[-1].end():]) or None
+  line = _first_filled_line(text, markers[-1].end(), _MARKDOWN)
+  return _strip_quotes(line.strip(_MARKDOWN)) or None
 
 
 @dataclasses.dataclass

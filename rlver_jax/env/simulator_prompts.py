@@ -194,7 +194,7 @@ def reply_instruction(emotion: int, state: str, language: str, passive: bool) ->
     return (f"你的情绪值现在是 {emotion}，状态是 {state}：{meanings[state]}。\n各状态的含义：\n{legend}\n\n"
             "现在以这个人的身份回应对方。先简单规划：态度、目标（绝不透露隐藏主题）、语气、要说的内容。"
             f"{extra}\n然后写一版草稿，再改写得像真人说话：简短、情绪含蓄、不重复、不用套话。\n"
-            f"最后一行以“{label}：”开头，只写最终的回复；只有这一行之后的内容会被对方看到。")
+            f"最后一行以“{label}：”开头，只写最终的回复；只有这一行会被对方看到。")
   legend = "\n".join(f"- {k}: {v}" for k, v in meanings.items())
   extra = "\nYou are a passive person: do not ask the other side questions." if passive else ""
   return (f"Your emotion is now {emotion}, state {state}: {meanings[state]}.\nWhat the states "
@@ -203,5 +203,5 @@ def reply_instruction(emotion: int, state: str, language: str, passive: bool) ->
           f"reveal your hidden theme), tone, content.{extra}\nThen write a draft and rewrite it so "
           "it sounds like a real person: short, emotions implied, no repetition, no stock "
           "phrases.\n"
-          f"End with a line starting with \"{label}:\" that holds only the final reply; only what "
-          "follows it reaches the other side.")
+          f"End with a line starting with \"{label}:\" that holds only the final reply; only that line "
+          "reaches the other side.")

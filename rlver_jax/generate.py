@@ -93,16 +93,44 @@ def check_checkpoint(path: str) -> None:
     raise FileNotFoundError(f"--checkpoint={path}: no config.json there (not a Hugging Face checkpoint)")
 
 
+def _check_output_json(path: str) -> None:
+  """Fails before the model loads if the JSON file cannot be written where asked."""
+  parent = os.path.dirname(os.path.abspath(path))
+  if os.path.isdir(path):
+    raise ValueError(f"--output_json={path}: is a directory")
+  if not os.path.isdir(parent):
+    raise FileNotFoundError(f"--output_json={path}: directory {parent} does not exist")
+  if not os.access(parent, os.W_OK):
+    raise ValueError(f"--output_json={path}: directory {parent} is not writable")
+
+
 def _check_flags() -> SamplingParams:
   """Validates the flags before the model loads; returns the sampling settings."""
-  if _PROMPT.value is None and not _INTERACTIVE.value:
-    raise app.UsageError("--prompt is required (or use --interactive)")
+  if _INTERACTIVE.value:
+    # The terminal supplies every turn and prints every reply, one conversation (batch 1).
+    for name in ("prompt", "output_json", "batch_size"):
+      if flags.FLAGS[name].present:
+        raise ValueError(f"--{name} cannot be used with --interactive")
+  elif _PROMPT.value is None:
+    raise ValueError("--prompt is required (or use --interactive)")
+  if _SYSTEM.value is not None and not (_CHAT.value or _INTERACTIVE.value):
+    raise ValueError("--system needs --chat (or --interactive): a plain prompt has no system turn")
   for name, flag, low in (("max_new_tokens", _MAX_NEW, 1), ("batch_size", _BATCH, 1), ("max_len", _MAX_LEN, 2)):
     if flag.value < low:
       raise ValueError(f"--{name}={flag.value}: must be >= {low}")
+  if _OUTPUT_JSON.value:
+    _check_output_json(_OUTPUT_JSON.value)
   if _CHECKPOINT.value is not None:
     check_checkpoint(_CHECKPOINT.value)
   return SamplingParams.make(_TEMPERATURE.value, _TOP_P.value, _TOP_K.value)
+
+
+def _check_prompt(ids: list[int]) -> None:
+  if not ids:
+    raise ValueError("--prompt encodes to no tokens: there is nothing to continue")
+  if len(ids) >= _MAX_LEN.value:
+    raise ValueError(f"the prompt is {len(ids)} tokens and --max_len={_MAX_LEN.value} leaves no room for "
+                     f"a reply (needs at least {len(ids) + 1})")
 
 
 def main(argv):
@@ -119,16 +147,18 @@ def _generate():
   if checkpoint is None:
     from rlver_jax.models.embedded import embedded_model_dir
     checkpoint = embedded_model_dir()
-  dtype = param_dtype_of(_DTYPE.value)
-  model, _ = load_pretrained(checkpoint, dtype=dtype)
   chat = ChatTokens(load_tokenizer(checkpoint))
+  ids = None
+  if not _INTERACTIVE.value:
+    ids = _prompt_ids(chat, _PROMPT.value, _SYSTEM.value, _CHAT.value)
+    _check_prompt(ids)  # before the model loads
+  model, _ = load_pretrained(checkpoint, dtype=param_dtype_of(_DTYPE.value))
   sampler = Sampler(model, max_len=_MAX_LEN.value, stop_ids=chat.stop_ids, pad_id=chat.pad_id)
   params = nnx.state(model)
   rng = jax.random.key(_SEED.value)
   if _INTERACTIVE.value:
     _interactive(sampler, params, chat, _SYSTEM.value, sp, rng)
     return
-  ids = _prompt_ids(chat, _PROMPT.value, _SYSTEM.value, _CHAT.value)
   batch = _BATCH.value
   cache, logits = sampler.prefill(params, sampler.init_cache(batch), [ids] * batch)
   res = sampler.decode(params, cache, logits, rng=rng, max_new_tokens=_MAX_NEW.value, sampling=sp)

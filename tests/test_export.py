@@ -11,6 +11,7 @@ from flax import nnx
 from hf_checkpoints import torch_logits
 from rlver_jax.models import Qwen2Config, create_model, export_pretrained, load_pretrained
 from rlver_jax.models import safetensors_io as st
+from rlver_jax.models.tokenizer import QWEN25_DEFAULT_SYSTEM
 from rlver_jax.sharding import MeshConfig, make_mesh
 
 IDS = np.random.default_rng(1).integers(0, 96, size=(2, 10))
@@ -103,6 +104,53 @@ def test_refuses_non_empty_dir_and_value_heads(tmp_path):
   critic = create_model(config, dtype=jnp.float32, head="value")
   with pytest.raises(ValueError, match="head='value'"):
     export_pretrained(critic, config, tmp_path / "critic")
+
+
+def test_overwrite_leaves_nothing_of_the_previous_export(tmp_path):
+  # Export A ships SmolLM2's tokenizer (chat_template.jinja); export B over it ships a Qwen2.5 one saved
+  # the transformers-4 way (template inside tokenizer_config.json). A stale chat_template.jinja from A
+  # would win over B's template, and A's extra files would sit next to B's.
+  from rlver_jax.models.embedded import embedded_model_dir
+  from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer, qwen25_tokenizer
+  smol = embedded_model_dir()
+  qwen = tmp_path / "qwen_tok"
+  qwen25_tokenizer().save_pretrained(str(qwen))
+  if (qwen / "chat_template.jinja").exists():
+    template = (qwen / "chat_template.jinja").read_text()
+    (qwen / "chat_template.jinja").unlink()
+    tok_config = json.loads((qwen / "tokenizer_config.json").read_text())
+    tok_config["chat_template"] = template
+    (qwen / "tokenizer_config.json").write_text(json.dumps(tok_config))
+  (qwen / "generation_config.json").write_text("{}")
+
+  config = _config(qkv_bias=False, tied=True)
+  model = create_model(config, dtype=jnp.float32)
+  out = tmp_path / "out"
+  export_pretrained(model, config, out, tokenizer_dir=smol, max_shard_bytes=40_000)  # sharded
+  assert "chat_template.jinja" in os.listdir(out) and st.INDEX_FILE in os.listdir(out)
+  (out / "notes.txt").write_text("keep me")
+  (out / "extra.json").write_text("{}")  # a user's file that merely looks like an export's
+  export_pretrained(model, config, out, tokenizer_dir=str(qwen), overwrite=True)
+  tokenizer_files = {"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                     "special_tokens_map.json", "generation_config.json", "chat_template.jinja"}
+  expected = {"config.json", "model.safetensors", "notes.txt", "extra.json"}
+  expected |= set(os.listdir(qwen)) & tokenizer_files
+  assert set(os.listdir(out)) == expected
+  assert ChatTokens(load_tokenizer(str(out))).default_system_prompt == QWEN25_DEFAULT_SYSTEM
+  assert load_pretrained(str(out), dtype=jnp.float32)[1] == config
+
+
+def test_overwrite_over_the_tokenizers_own_dir_keeps_it(tmp_path):
+  from rlver_jax.models.embedded import embedded_model_dir
+  from rlver_jax.models.tokenizer import load_tokenizer
+  import shutil
+  config = _config(qkv_bias=False, tied=True)
+  model = create_model(config, dtype=jnp.float32)
+  for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    shutil.copy(os.path.join(embedded_model_dir(), name), tmp_path / name)
+  export_pretrained(model, config, tmp_path, tokenizer_dir=str(tmp_path), overwrite=True)
+  assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(os.listdir(tmp_path))
+  assert load_tokenizer(str(tmp_path)).chat_template == load_tokenizer(embedded_model_dir()).chat_template
 
 
 def test_truncated_checkpoint_is_a_clear_error(tmp_path):

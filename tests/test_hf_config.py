@@ -49,14 +49,46 @@ def test_sliding_window_configs_are_refused(fields):
     from_hf_config(_hf(**fields))
 
 
+_ABSENT = object()
+
+
 @pytest.mark.parametrize("use,window,max_window_layers", [
-    (True, 4096, 2), (True, 4096, 24), (True, 4096, 30), (False, 4096, 0), (True, None, 0)])
+    (True, 4096, 2), (True, 4096, 24), (True, 4096, 30), (False, 4096, 0), (True, None, 0),
+    (True, _ABSENT, 0), (True, _ABSENT, 20), (False, _ABSENT, 0)])
 def test_sliding_layers_agree_with_transformers(use, window, max_window_layers):
   transformers = pytest.importorskip("transformers")
   from rlver_jax.models.presets import _sliding_layers
-  fields = dict(use_sliding_window=use, sliding_window=window, max_window_layers=max_window_layers)
-  hf = transformers.Qwen2Config(num_hidden_layers=24, **fields).to_dict()
-  expected = [i for i, t in enumerate(hf["layer_types"]) if t == "sliding_attention"]
+  fields = dict(use_sliding_window=use, max_window_layers=max_window_layers)
+  if window is not _ABSENT:  # absent: transformers' Qwen2Config default applies
+    fields["sliding_window"] = window
+  hf = transformers.Qwen2Config(num_hidden_layers=24, **fields)
+  expected = [i for i, t in enumerate(hf.layer_types) if t == "sliding_attention"]
   # Both with the list transformers 5 writes and without it (a transformers 4 config.json).
-  assert _sliding_layers(_hf(**fields, layer_types=hf["layer_types"])) == expected
-  assert _sliding_layers(_hf(**fields)) == expected
+  for cfg in (_hf(**fields, layer_types=hf.layer_types), _hf(**fields)):
+    layers, ours_window = _sliding_layers(cfg)
+    assert layers == expected
+    if expected:
+      assert ours_window == hf.sliding_window
+
+
+def test_sliding_window_on_without_a_window_key_is_refused():
+  # transformers then uses Qwen2Config's default window, so full attention would differ past it.
+  cfg = _hf(use_sliding_window=True, max_window_layers=0)
+  assert "sliding_window" not in cfg
+  with pytest.raises(ValueError, match="sliding-window attention .*window 4096"):
+    from_hf_config(cfg)
+
+
+def test_llama_ignores_window_keys_like_transformers():
+  # transformers' Llama has no sliding window: these keys change nothing there, nor here.
+  cfg = _hf(model_type="llama", use_sliding_window=True, sliding_window=16, max_window_layers=0)
+  assert from_hf_config(cfg).qkv_bias is False
+
+
+@pytest.mark.parametrize("key", ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                 "num_attention_heads"])
+def test_missing_required_key_names_file_and_key(key):
+  cfg = _hf()
+  del cfg[key]
+  with pytest.raises(ValueError, match=rf"^/ckpt/config\.json: required key '{key}' is missing$"):
+    from_hf_config(cfg, source="/ckpt/config.json")

@@ -119,3 +119,14 @@ def test_qwen25_bpe_matches_reference_tokenizer_json():
            "naïve café — ÅNGSTRÖM 1234567", "e\u0301 (combining)"]
   for text in texts:
     assert tok.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False).ids
+
+
+def test_directory_without_tokenizer_files_is_an_error(tmp_path):
+  # transformers would build an empty tokenizer from it, which encodes everything to nothing.
+  (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+  (tmp_path / "tokenizer_config.json").write_text("{}")
+  with pytest.raises(FileNotFoundError,
+                     match=rf"^{tmp_path}: no tokenizer files \(looked for tokenizer\.json, vocab\.json\)$"):
+    load_tokenizer(str(tmp_path))
+  with pytest.raises(FileNotFoundError, match=rf"^{tmp_path}/missing: tokenizer directory does not exist$"):
+    load_tokenizer(str(tmp_path / "missing"))

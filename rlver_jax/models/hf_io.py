@@ -119,11 +119,12 @@ def load_pretrained(path: str, dtype=jnp.bfloat16, mesh: Mesh | None = None, *,
   config_path = storage.join(path, CONFIG_FILE)
   if not storage.exists(config_path):
     raise FileNotFoundError(f"{config_path}: missing; not a Hugging Face checkpoint directory")
-  config = from_hf_config(json.loads(storage.read_bytes(config_path)))
+  config = from_hf_config(json.loads(storage.read_bytes(config_path)), source=config_path)
   param_dtype = dtype if param_dtype is None else param_dtype
   table, listing = st.open_checkpoint(path)
   mappings = hf_mappings(config, head)
   _check_tensors(table, listing, mappings, config)
+  _check_unused(path, table, config)
 
   graphdef, abstract = nnx.split(abstract_model(config, head=head, param_dtype=param_dtype, dtype=dtype,
                                                 remat=remat))
@@ -161,6 +162,47 @@ def _check_tensors(table: dict[str, st.TensorInfo], listing: str, mappings: dict
       if info.shape != m.hf_shape:
         raise CheckpointError(f"{info.file}: tensor {name} has shape {list(info.shape)}, "
                               f"config.json implies {list(m.hf_shape)}")
+
+
+def _check_unused(path: str, table: dict[str, st.TensorInfo], config: Qwen2Config) -> None:
+  """Fails if the checkpoint holds tensors config.json does not account for.
+
+  Such a config.json describes another model (fewer layers, Llama without Qwen2's biases) and would load
+  as one. Rotary inv_freq buffers (older checkpoints) are recomputed, not loaded, by transformers too.
+  """
+  used = {m.name(layer) for key, m in hf_mappings(config, "lm").items() for layer in _layers_of(key, config)}
+  unused = sorted(n for n in table if n not in used and not n.endswith(".inv_freq"))
+  if config.tie_word_embeddings and "lm_head.weight" in unused:
+    # transformers ties only when both are equal (e.g. torch .bin exports); otherwise it keeps the
+    # separate head, a model a tied config.json does not describe.
+    embed = table[hf_mappings(config)["embed"].hf_name]
+    if not _same_values(table["lm_head.weight"], embed):
+      raise CheckpointError(f"{path}: config.json sets tie_word_embeddings=true but lm_head.weight differs "
+                            "from model.embed_tokens.weight (transformers would not tie them)")
+    unused.remove("lm_head.weight")
+  if unused:
+    shown = ", ".join(unused[:3]) + (", ..." if len(unused) > 3 else "")
+    raise CheckpointError(f"{path}: {len(unused)} tensor(s) not used by its config.json ({shown}); "
+                          "config.json does not describe these weights")
+
+
+def _same_values(a: st.TensorInfo, b: st.TensorInfo, chunk_bytes: int = 64 << 20) -> bool:
+  """Whether two tensors hold equal values, read a block of rows at a time (never a whole tensor)."""
+  if a.shape != b.shape or not a.shape:
+    return False
+  da, db = st.numpy_dtype(a.dtype), st.numpy_dtype(b.dtype)
+  row_elems = int(np.prod(a.shape[1:], dtype=np.int64))
+  rows = max(1, chunk_bytes // (row_elems * max(da.itemsize, db.itemsize)))
+  for r in range(0, a.shape[0], rows):
+    n = min(rows, a.shape[0] - r)
+    blocks = []
+    for info, dt in ((a, da), (b, db)):
+      start = info.start + r * row_elems * dt.itemsize
+      data = storage.read_range(info.file, start, start + n * row_elems * dt.itemsize)
+      blocks.append(np.frombuffer(data, dtype=dt).astype(np.float32))
+    if blocks[0].shape != blocks[1].shape or not np.array_equal(blocks[0], blocks[1]):
+      return False
+  return True
 
 
 def _load_param(table, mapping: _Mapping, spec: ParamSpec, sharding: jax.sharding.Sharding,
@@ -213,7 +255,8 @@ def export_pretrained(model: Qwen2, config: Qwen2Config, out_dir: str, *, tokeni
                      f"this model has head={model.head!r}")
   out_dir = str(out_dir)
   writer = jax.process_index() == 0
-  _prepare_out_dir(out_dir, overwrite)
+  keep_tokenizer = tokenizer_dir is not None and storage.same_dir(str(tokenizer_dir), out_dir)
+  _prepare_out_dir(out_dir, overwrite, keep_tokenizer)
   params = {_key(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   out_dtype = np.dtype(params["embed"].dtype if dtype is None else dtype)
   code = st.dtype_code(out_dtype)
@@ -288,7 +331,13 @@ def _fetch(x: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _prepare_out_dir(out_dir: str, overwrite: bool) -> None:
+def _export_file(name: str) -> bool:
+  """A file some export writes (weights, index, config, tokenizer); overwriting removes only these."""
+  return (name.endswith(".safetensors") or name in (st.INDEX_FILE, CONFIG_FILE)
+          or name in TOKENIZER_FILES)
+
+
+def _prepare_out_dir(out_dir: str, overwrite: bool, keep_tokenizer: bool = False) -> None:
   existing = storage.list_dir(out_dir)
   if existing and not overwrite:
     raise FileExistsError(f"{out_dir}: output directory is not empty ({len(existing)} entries); "
@@ -296,9 +345,10 @@ def _prepare_out_dir(out_dir: str, overwrite: bool) -> None:
 
   def prepare() -> None:
     storage.make_dirs(out_dir)
-    # Overwriting: stale shards of an earlier export (another shard count) must not survive.
+    # Overwriting: nothing of an earlier export (other shard count, other tokenizer's files) may survive
+    # next to the new one; files the user put there stay.
     for name in existing:
-      if name.endswith(".safetensors") or name == st.INDEX_FILE:
+      if _export_file(name) and not (keep_tokenizer and name in TOKENIZER_FILES):  # its own source
         storage.remove(storage.join(out_dir, name))
   on_process_zero(f"preparing {out_dir}", prepare)
 

@@ -78,7 +78,7 @@ def get_preset(name: str) -> Qwen2Config:
   return PRESETS[key]
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
+def _rope_theta(cfg: dict[str, Any], source: str) -> float:
   # transformers 5.x nests RoPE settings under rope_parameters; 4.x has a top-level rope_theta.
   params = cfg.get("rope_parameters") or {}
   if "rope_theta" in params:
@@ -88,50 +88,67 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
   scaling = cfg.get("rope_scaling") or {}
   rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
   if rope_type != "default":
-    raise ValueError(f"config.json: rope type {rope_type!r} is not supported (only 'default' RoPE)")
+    raise ValueError(f"{source}: rope type {rope_type!r} is not supported (only 'default' RoPE)")
   return float(theta)
 
 
-def _sliding_layers(cfg: dict[str, Any]) -> list[int]:
-  """Layers that transformers' Qwen2 runs with sliding-window attention for this config.json.
+def _sliding_layers(cfg: dict[str, Any]) -> tuple[list[int], int | None]:
+  """Layers (and window) that transformers' Qwen2 runs with sliding-window attention for this config.json.
 
   The window is on only with use_sliding_window; then the layers are those marked in layer_types
   (transformers 5) or, without that list, layers from max_window_layers on (transformers 4).
   """
-  if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:
-    return []
+  if not cfg.get("use_sliding_window"):
+    return [], None
+  # An absent key means Qwen2Config's default window; only an explicit null turns it off.
+  window = cfg.get("sliding_window", _QWEN2_DEFAULT_WINDOW)
+  if window is None:
+    return [], None
   types = cfg.get("layer_types")
   if types is not None:
-    return [i for i, t in enumerate(types) if t == "sliding_attention"]
+    return [i for i, t in enumerate(types) if t == "sliding_attention"], window
   first = cfg.get("max_window_layers", 28)  # transformers' default when the key is absent
-  return list(range(first, cfg["num_hidden_layers"]))
+  return list(range(first, cfg["num_hidden_layers"])), window
 
 
-def from_hf_config(cfg: dict[str, Any] | str) -> Qwen2Config:
-  """Builds a config from a Hugging Face config.json (a dict or a path), transformers 4.x or 5.x."""
+_QWEN2_DEFAULT_WINDOW = 4096  # transformers.Qwen2Config().sliding_window when use_sliding_window is set
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads")
+
+
+def from_hf_config(cfg: dict[str, Any] | str, source: str = "config.json") -> Qwen2Config:
+  """Builds a config from a Hugging Face config.json (a dict or a path), transformers 4.x or 5.x.
+
+  `source` names the file in error messages (the path itself when `cfg` is one).
+  """
   if isinstance(cfg, str):
+    source = cfg
     with open(cfg) as f:
       cfg = json.load(f)
   model_type = cfg.get("model_type")
   if model_type not in ("qwen2", "llama"):
-    raise ValueError(f"config.json: model_type {model_type!r} is not a Qwen2-family model "
+    raise ValueError(f"{source}: model_type {model_type!r} is not a Qwen2-family model "
                      "(expected 'qwen2' or 'llama')")
+  for key in _REQUIRED_KEYS:
+    if cfg.get(key) is None:
+      raise ValueError(f"{source}: required key {key!r} is missing")
   heads = cfg["num_attention_heads"]
   d = cfg["hidden_size"]
   # Qwen2 has q/k/v biases and no o_proj bias; Llama's attention_bias adds all four, and this model
   # has no o_proj bias to load it into.
   if model_type == "llama" and cfg.get("attention_bias"):
-    raise ValueError("config.json: attention_bias=true (Llama) is not supported: its o_proj bias has "
+    raise ValueError(f"{source}: attention_bias=true (Llama) is not supported: its o_proj bias has "
                      "no place in this model")
   bias = model_type == "qwen2"
   if cfg.get("mlp_bias"):
-    raise ValueError("config.json: mlp_bias=true is not supported")
+    raise ValueError(f"{source}: mlp_bias=true is not supported")
   if cfg.get("hidden_act", "silu") != "silu":
-    raise ValueError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
-  sliding = _sliding_layers(cfg)
+    raise ValueError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+  # transformers' Llama has no sliding window and ignores these keys; its Qwen2 applies them.
+  sliding, window = _sliding_layers(cfg) if model_type == "qwen2" else ([], None)
   if sliding:
-    raise ValueError(f"config.json: sliding-window attention (use_sliding_window=true, window "
-                     f"{cfg.get('sliding_window')}) on {len(sliding)} layers is not supported; this "
+    raise ValueError(f"{source}: sliding-window attention (use_sliding_window=true, window "
+                     f"{window}) on {len(sliding)} layers is not supported; this "
                      "model attends to the full context")
   eos = cfg.get("eos_token_id")
   dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
@@ -139,7 +156,7 @@ def from_hf_config(cfg: dict[str, Any] | str) -> Qwen2Config:
       vocab_size=cfg["vocab_size"], hidden_size=d, intermediate_size=cfg["intermediate_size"],
       num_layers=cfg["num_hidden_layers"], num_heads=heads,
       num_kv_heads=cfg.get("num_key_value_heads") or heads,
-      head_dim=cfg.get("head_dim") or d // heads, rope_theta=_rope_theta(cfg),
+      head_dim=cfg.get("head_dim") or d // heads, rope_theta=_rope_theta(cfg, source),
       rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
       tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
       qkv_bias=bias, max_position_embeddings=cfg.get("max_position_embeddings", 32768),

@@ -57,12 +57,20 @@ def _from_local(directory: str):
   return AutoTokenizer.from_pretrained(directory)
 
 
+# A directory needs one of these for a vocabulary; without, transformers builds an empty tokenizer.
+VOCAB_FILES = ("tokenizer.json", "vocab.json")
+
+
 def load_tokenizer(checkpoint_dir: str):
   """The tokenizer of a checkpoint directory; gs:// directories are fetched to a temp dir first."""
   checkpoint_dir = str(checkpoint_dir)
+  if not storage.is_gcs(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
+    raise FileNotFoundError(f"{checkpoint_dir}: tokenizer directory does not exist")
+  present = set(storage.list_dir(checkpoint_dir))
+  if not present & set(VOCAB_FILES):
+    raise FileNotFoundError(f"{checkpoint_dir}: no tokenizer files (looked for {', '.join(VOCAB_FILES)})")
   if not storage.is_gcs(checkpoint_dir):
     return _from_local(checkpoint_dir)
-  present = set(storage.list_dir(checkpoint_dir))
   with tempfile.TemporaryDirectory() as tmp:
     for name in TOKENIZER_FILES:
       if name in present:

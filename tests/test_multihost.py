@@ -369,4 +369,6 @@ def test_http_simulator_is_asked_once_for_all_hosts(tmp_path):
   assert len(results) == 2 and results[0] == results[1], results
   assert sorted(results[0]["texts"]) == ["answer 1", "answer 2"]  # process 0's two calls only
   assert "HTTP 400" in results[0]["error"]
-  assert _Sampling.calls == 4  # two rows per call, all from process 0
+  # Two rows per call, all from process 0 (process 1 asking too would make it >= 6). The failing
+  # call's second request may never be sent: process 0 stops at the first 400.
+  assert _Sampling.calls in (3, 4), _Sampling.calls

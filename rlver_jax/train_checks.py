@@ -55,8 +55,6 @@ def check_training_config(config) -> None:
       ("policy.language", config.policy.language,
        config.policy.language in ("",) + simulator_prompts.LANGUAGES,
        f"'' (each profile's own) or one of {simulator_prompts.LANGUAGES}"),
-      # The HTTP backend sends temperature and top_p only (OpenAI-style APIs have no top_k).
-      ("simulator.top_k", s.top_k, s.backend != "http" or s.top_k == 0, "0 with simulator.backend='http'"),
       ("simulator.style", s.style, s.style in simulator_prompts.STYLES,
        f"one of {simulator_prompts.STYLES}"),
       ("simulator.max_turns", s.max_turns, s.max_turns >= 1, ">= 1"),

@@ -118,7 +118,8 @@ def test_a_failed_start_leaves_the_workdir_usable(world, tmp_path):
     ("rl.value_clip", -0.5, "ppo", {}), ("rl.format_penalty", True, "grpo", {}),
     ("optim.actor_lr", -1e-6, "grpo", {}), ("optim.grad_clip", -1.0, "grpo", {}),
     ("optim.b2", 1.0, "grpo", {}), ("policy.language", "fr", "grpo", {}),
-    ("simulator.top_k", 20, "grpo", {"simulator.backend": "http"})])
+    ("simulator.top_k", 20, "grpo", {"simulator.backend": "http", "simulator.http_model": "m",
+                                     "simulator.http_base_url": "http://127.0.0.1:9/v1"})])
 def test_settings_used_late_are_checked_at_start(world, tmp_path, key, value, algo, extra):
   # These used to fail at the first update, rollout or evaluation, leaving a config.json that then
   # refused the corrected command; others (rl.epochs=0, a negative grad_clip or learning rate,

@@ -89,18 +89,13 @@ def parse_change(text: object) -> int | None:
   if not isinstance(text, str):
     return None
   for label in list(_CHANGE_LABEL.finditer(text))[::-1][:_MAX_LABELS_TRIED]:
-    value = _value_line(text, label.end())
+    value = _first_filled_line(text, label.end(), _DECOR)
     if _NO_CHANGE.fullmatch(value.strip(_TRAILING_PUNCT)):
       return 0
     amount = _read_amount(value.strip(_DECOR))
     if amount is not None:
       return amount
   return None
-
-
-def _value_line(text: str, start: int) -> str:
-  """The rest of the label's line, or the next non-blank line when that rest is empty."""
-  return _first_filled_line(text, start, _DECOR)
 
 
 def _first_filled_line(text: str, pos: int, strip: str) -> str:

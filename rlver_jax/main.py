@@ -29,7 +29,29 @@ def _default_workdir() -> str:
     raise app.UsageError("--workdir is required when running as several processes")
   filename = config_flags.get_config_filename(flags.FLAGS["config"])
   name = os.path.splitext(os.path.basename(filename.split(":")[0]))[0]
-  return os.path.join("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+  return new_run_dir("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+
+
+def new_run_dir(parent: str, stem: str) -> str:
+  """Creates and returns PARENT/STEM, or STEM-2, STEM-3, ... if taken: two runs started in the same
+  second must not share (and resume into) one workdir. mkdir is atomic, so this holds across processes."""
+  os.makedirs(parent, exist_ok=True)
+  for i in range(1, 1000):
+    path = os.path.join(parent, stem if i == 1 else f"{stem}-{i}")
+    try:
+      os.mkdir(path)
+      return path
+    except FileExistsError:
+      continue
+  raise app.UsageError(f"{parent}/{stem}: 999 run directories of that name exist; pass --workdir")
+
+
+def _remove_if_empty(path: str) -> None:
+  """A default workdir made for a run that failed before writing anything is not left behind."""
+  try:
+    os.rmdir(path)
+  except OSError:  # not empty (or already gone): keep what the run wrote
+    pass
 
 
 def main(argv):
@@ -48,6 +70,8 @@ def main(argv):
   # host), or a diverged update: one line, non-zero exit (--verbosity=1 logs the traceback).
   except (ValueError, OSError, SimulatorBackendError, ProcessZeroError, train.TrainingDiverged) as e:
     logging.debug("error", exc_info=True)
+    if not _WORKDIR.value:
+      _remove_if_empty(workdir)
     sys.exit(f"error: {e}")
   if jax.process_index() != 0:  # one summary per run, not one per host
     return

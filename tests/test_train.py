@@ -243,8 +243,9 @@ def test_bad_input_is_one_clear_line(world, tmp_path, flag, message):
   assert "Traceback" not in err, err[-3000:]
 
 
-def test_default_workdir_is_named_after_the_config(world, tmp_path):
-  """Without --workdir the run goes to ./runs/CONFIG-TIME (here it then stops at a bad profiles path)."""
+def test_default_workdir_is_not_left_behind_by_a_failed_start(world, tmp_path):
+  """Without --workdir the run makes ./runs/CONFIG-TIME; stopped by a bad profiles path before
+  writing anything, it removes that directory again."""
   args = [a for a in _flags(world, "grpo", tmp_path, 1) if not a.startswith("--workdir")]
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO / "tests"))
   proc = subprocess.run([sys.executable, "-m", "rlver_jax.main", *args,
@@ -252,8 +253,17 @@ def test_default_workdir_is_named_after_the_config(world, tmp_path):
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
   assert "config.data.profiles" in proc.stderr.strip().splitlines()[-1]
-  made = list((tmp_path / "runs").glob("*")) if (tmp_path / "runs").exists() else []
-  assert all(p.name.startswith("grpo_nothink-") for p in made), made
+  # The default workdir is made up front and removed again since the run wrote nothing to it.
+  assert (tmp_path / "runs").is_dir() and not list((tmp_path / "runs").iterdir())
+
+
+def test_default_workdirs_made_in_the_same_second_differ(tmp_path):
+  """Two runs started in the same second must not share (and resume into) one workdir."""
+  from rlver_jax.main import new_run_dir
+  made = [new_run_dir(str(tmp_path / "runs"), "grpo_think-20261201-101010") for _ in range(3)]
+  assert [os.path.basename(p) for p in made] == [
+      "grpo_think-20261201-101010", "grpo_think-20261201-101010-2", "grpo_think-20261201-101010-3"]
+  assert all(os.path.isdir(p) for p in made)
 
 
 def test_checkpointer_takes_a_relative_workdir(tmp_path, monkeypatch):

@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import sys
 from typing import Sequence
 
 import jax
@@ -31,6 +30,7 @@ from jax.experimental import topologies
 from jax.sharding import Mesh
 from ml_collections import config_flags
 
+from rlver_jax.cli_errors import exit_on
 from rlver_jax import aot_run
 from rlver_jax.aot_programs import PROGRAMS
 from rlver_jax.run_config import parse_flags
@@ -417,8 +417,7 @@ def main(argv: Sequence[str]) -> None:
   try:
     _run(_CONFIG.value)
   except (AotError, ValueError) as e:  # ValueError: a bad config value (e.g. an unknown preset)
-    print(f"aot: error: {e}", file=sys.stderr)
-    sys.exit(1)
+    exit_on(e, prefix="aot: error")
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@ a training run first with `python -m rlver_jax.export`.
 """
 from __future__ import annotations
 
-import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from rlver_jax import distributed
+from rlver_jax.cli_errors import exit_on
 from rlver_jax.run_config import parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/eval_sentient.py.",
@@ -37,8 +37,7 @@ def main(argv):
   # Bad input, an unwritable workdir, or a simulator that cannot answer within its retry bound (on
   # any host): one line, non-zero exit.
   except (ValueError, OSError, SimulatorBackendError, ProcessZeroError) as e:
-    logging.debug("error", exc_info=True)
-    sys.exit(f"error: {e}")
+    exit_on(e)
   print(f"\nscore {summary['score']:.1f}  success {summary['success_rate']:.0%}  "
         f"failure {summary['failure_rate']:.0%}  ({summary['num_dialogues']} dialogues)")
   print(f"outputs under {_WORKDIR.value}:")

@@ -11,11 +11,11 @@ result with `python -m rlver_jax.evaluate --config=configs/eval_sentient.py
 """
 from __future__ import annotations
 
-import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 
 from rlver_jax import distributed
+from rlver_jax.cli_errors import exit_on
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory (local or gs://).")
 _OUT = flags.DEFINE_string("out", None, "Output HF checkpoint directory (local or gs://).")
@@ -36,8 +36,7 @@ def main(argv):
     step = trained_policy.export(_WORKDIR.value, _OUT.value, step=_STEP.value,
                                  overwrite=_OVERWRITE.value, dtype=_DTYPE.value)
   except (ValueError, OSError, ProcessZeroError) as e:  # bad input or --out: one line, exit 1
-    logging.debug("error", exc_info=True)
-    sys.exit(f"error: {e}")
+    exit_on(e)
   print(f"exported step {step} of {_WORKDIR.value} to {_OUT.value}")
 
 

@@ -1,4 +1,4 @@
-"""Whole-file replacement that a kill mid-write cannot truncate."""
+"""Files and directories written so that neither a kill mid-write nor a concurrent run can clobber them."""
 from __future__ import annotations
 
 import os
@@ -15,3 +15,17 @@ def replace_text(path: epath.Path, text: str) -> None:
   tmp = path.with_name(path.name + ".tmp")
   tmp.write_text(text)
   os.replace(tmp, path)
+
+
+def new_run_dir(parent: str, stem: str) -> str:
+  """Creates and returns PARENT/STEM, or STEM-2, STEM-3, ... if taken: two runs started in the same
+  second must not share (and resume into) one workdir. mkdir is atomic, so this holds across processes."""
+  os.makedirs(parent, exist_ok=True)
+  for i in range(1, 1000):
+    path = os.path.join(parent, stem if i == 1 else f"{stem}-{i}")
+    try:
+      os.mkdir(path)
+      return path
+    except FileExistsError:
+      continue
+  raise FileExistsError(f"{parent}/{stem}: 999 run directories of that name exist; pass --workdir")

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
 
+from rlver_jax.cli_errors import exit_on
 from rlver_jax.models import load_pretrained, storage
 from rlver_jax.models.presets import param_dtype_of
 from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
@@ -138,7 +139,7 @@ def main(argv):
   try:
     _generate()
   except (ValueError, FileNotFoundError) as e:  # bad input: one line, non-zero exit
-    sys.exit(f"error: {e}")
+    exit_on(e)
 
 
 def _generate():

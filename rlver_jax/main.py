@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 
 import jax
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from rlver_jax import distributed
+from rlver_jax.cli_errors import exit_on
+from rlver_jax.files import new_run_dir
 from rlver_jax.run_config import parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/grpo_think.py.",
@@ -29,21 +30,10 @@ def _default_workdir() -> str:
     raise app.UsageError("--workdir is required when running as several processes")
   filename = config_flags.get_config_filename(flags.FLAGS["config"])
   name = os.path.splitext(os.path.basename(filename.split(":")[0]))[0]
-  return new_run_dir("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-
-
-def new_run_dir(parent: str, stem: str) -> str:
-  """Creates and returns PARENT/STEM, or STEM-2, STEM-3, ... if taken: two runs started in the same
-  second must not share (and resume into) one workdir. mkdir is atomic, so this holds across processes."""
-  os.makedirs(parent, exist_ok=True)
-  for i in range(1, 1000):
-    path = os.path.join(parent, stem if i == 1 else f"{stem}-{i}")
-    try:
-      os.mkdir(path)
-      return path
-    except FileExistsError:
-      continue
-  raise app.UsageError(f"{parent}/{stem}: 999 run directories of that name exist; pass --workdir")
+  try:
+    return new_run_dir("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+  except FileExistsError as e:
+    raise app.UsageError(str(e)) from None
 
 
 def _remove_if_empty(path: str) -> None:
@@ -69,10 +59,9 @@ def main(argv):
   # Bad input, an unwritable workdir, a simulator that cannot answer within its retry bound (on any
   # host), or a diverged update: one line, non-zero exit (--verbosity=1 logs the traceback).
   except (ValueError, OSError, SimulatorBackendError, ProcessZeroError, train.TrainingDiverged) as e:
-    logging.debug("error", exc_info=True)
     if not _WORKDIR.value:
       _remove_if_empty(workdir)
-    sys.exit(f"error: {e}")
+    exit_on(e)
   if jax.process_index() != 0:  # one summary per run, not one per host
     return
   print(f"\nrun finished at step {paths.pop('step')}; outputs under {workdir}:")

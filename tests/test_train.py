@@ -259,7 +259,7 @@ def test_default_workdir_is_not_left_behind_by_a_failed_start(world, tmp_path):
 
 def test_default_workdirs_made_in_the_same_second_differ(tmp_path):
   """Two runs started in the same second must not share (and resume into) one workdir."""
-  from rlver_jax.main import new_run_dir
+  from rlver_jax.files import new_run_dir
   made = [new_run_dir(str(tmp_path / "runs"), "grpo_think-20261201-101010") for _ in range(3)]
   assert [os.path.basename(p) for p in made] == [
       "grpo_think-20261201-101010", "grpo_think-20261201-101010-2", "grpo_think-20261201-101010-3"]

@@ -25,7 +25,7 @@ from rlver_jax.env.rollout import Dialogue, RolloutInterrupted, RolloutStats, ru
 from rlver_jax.env.simulator import SimulatedUsers
 from rlver_jax.metrics import MetricsWriter
 from rlver_jax.rl import advantages as adv_lib
-from rlver_jax.rl.losses import kl_penalty
+from rlver_jax.rl.losses import explained_variance, kl_penalty
 from rlver_jax.rl.update import Updater, make_optimizer, token_logprobs_and_entropy, token_values
 from rlver_jax.run_config import (check_inputs_on_every_host, check_shared_workdir, check_workdir_config,
                                   write_workdir_config)
@@ -204,6 +204,10 @@ class Trainer:
       batch.update(advantages=self._device(np.asarray(adv).reshape(shape)), old_values=values,
                    returns=self._device(np.asarray(ret).reshape(shape)))
       extra["value_mean"] = float((v * mask).sum() / max(mask.sum(), 1))
+      # Over the whole batch at the rollout's values (per micro-batch it would be 0 for every row
+      # whose returns are constant, as every row's are at gamma = 1).
+      extra["critic/explained_variance"] = float(explained_variance(jnp.asarray(v), ret,
+                                                                    jnp.asarray(mask)))
     extra["policy_tokens"] = float(mask.sum())
     extra["samples"] = float(p.num_real)
     extra["sample_tokens"] = float((p.segment_ids > 0).sum())  # real tokens, padding excluded

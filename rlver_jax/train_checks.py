@@ -35,6 +35,11 @@ def check_training_config(config) -> None:
       ("rl.reward_mode", r.reward_mode, r.reward_mode in rollout.REWARD_MODES,
        f"one of {rollout.REWARD_MODES}"),
       ("rl.gamma", r.gamma, 0 <= r.gamma <= 1, "in [0, 1]"),
+      # Each turn its own sample (think, thoughts dropped): a turn's sample earns the later turns'
+      # reward undiscounted, which only equals the one-sequence return at gamma = 1.
+      ("rl.gamma", r.gamma, r.gamma == 1 or config.algo != "ppo" or not config.policy.think
+       or config.policy.keep_thoughts,
+       "1 with policy.think=True and keep_thoughts=False (each turn is its own sample)"),
       ("rl.lam", r.lam, 0 <= r.lam <= 1, "in [0, 1]"),
       ("rl.clip_low", r.clip_low, 0 < r.clip_low < 1, "in (0, 1)"),
       ("rl.clip_high", r.clip_high, r.clip_high > 0, "> 0"),

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlver_jax.rl.losses import (aggregate, entropy_bonus, entropy_from_logits, kl_loss, kl_penalty,
-                                 policy_loss, token_logprobs, value_loss)
+from rlver_jax.rl.losses import (aggregate, entropy_bonus, entropy_from_logits, explained_variance,
+                                 kl_loss, kl_penalty, policy_loss, token_logprobs, value_loss)
 
 # One token per case, clip range (1 - 0.2, 1 + 0.28) = (0.8, 1.28); per-token loss is
 # max(-A*r, -A*clip(r)):
@@ -153,8 +153,9 @@ def test_explained_variance():
   # R - V = [-0.5, 0, 0.5, 0]: var 0.125; var(R) = 1.25 -> 1 - 0.1 = 0.9. Padding ignored.
   ret = jnp.array([[1.0, 2.0, 3.0, 4.0, 99.0]])
   values = jnp.array([[1.5, 2.0, 2.5, 4.0, -99.0]])
-  _, m = value_loss(values, values, ret, jnp.array([[1, 1, 1, 1, 0]]))
-  np.testing.assert_allclose(m["explained_variance"], 0.9, rtol=1e-5)
+  np.testing.assert_allclose(explained_variance(values, ret, jnp.array([[1, 1, 1, 1, 0]])), 0.9, rtol=1e-5)
+  # Returns constant over the masked tokens (one row at gamma = 1): 0, not a division by zero.
+  assert float(explained_variance(values, jnp.full_like(ret, 0.7), jnp.ones_like(ret))) == 0.0
 
 
 def test_kl_estimators():

@@ -153,9 +153,9 @@ def value_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Clipped value loss 0.5 * max((v - R)^2, (clip(v, old - eps, old + eps) - R)^2), inputs [B, T].
 
-  clip_eps=None gives the plain 0.5 * (v - R)^2. Metrics: vf_clip_frac (the clipped branch is the
-  active one) and explained_variance = 1 - Var(R - v) / Var(R) over policy tokens (0 if Var(R) = 0;
-  the ddof choice cancels in the ratio).
+  clip_eps=None gives the plain 0.5 * (v - R)^2. Metric: vf_clip_frac (the clipped branch is the
+  active one). Explained variance is a whole-batch statistic (`explained_variance`), not a
+  per-micro-batch one: one row's returns are constant at gamma = 1, so its Var(R) is 0.
   """
   v = values.astype(_F32)
   ret = jax.lax.stop_gradient(returns.astype(_F32))
@@ -170,17 +170,21 @@ def value_loss(
     loss_tok = 0.5 * jnp.maximum(err, err_clipped)
     clip_active = err_clipped > err
 
+  metrics = {"vf_clip_frac": jax.lax.stop_gradient(_masked_mean(clip_active.astype(_F32), w))}
+  return aggregate(loss_tok, mask, agg, norm_len=norm_len, weights=weights), metrics
+
+
+def explained_variance(values: jax.Array, returns: jax.Array, mask: jax.Array) -> jax.Array:
+  """1 - Var(R - v) / Var(R) over the tokens where mask != 0 (0 if Var(R) = 0; ddof cancels)."""
+  w = (mask > 0).astype(_F32)
+  v, ret = values.astype(_F32), returns.astype(_F32)
+
   def masked_var(x):
     return _masked_mean((x - _masked_mean(x, w)) ** 2, w)
 
   var_ret = masked_var(ret)
   explained = 1.0 - masked_var(ret - v) / jnp.where(var_ret > 0, var_ret, 1.0)
-  metrics = {
-      "vf_clip_frac": _masked_mean(clip_active.astype(_F32), w),
-      "explained_variance": jnp.where(var_ret > 0, explained, 0.0),
-  }
-  metrics = {k: jax.lax.stop_gradient(m) for k, m in metrics.items()}
-  return aggregate(loss_tok, mask, agg, norm_len=norm_len, weights=weights), metrics
+  return jnp.where(var_ret > 0, explained, 0.0)
 
 
 def entropy_from_logits(logits: jax.Array) -> jax.Array:

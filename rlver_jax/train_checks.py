@@ -13,7 +13,9 @@ from rlver_jax.rl import losses
 def _sampling(section) -> list[tuple]:
   t, p, k = section.temperature, section.top_p, section.top_k
   return [("temperature", t, math.isfinite(t) and t >= 0, ">= 0 (0 = greedy)"),
-          ("top_p", p, 0 < p <= 1, "in (0, 1]"), ("top_k", k, k >= 0, ">= 0 (0 = off)")]
+          ("top_p", p, 0 < p <= 1, "in (0, 1]"),
+          ("top_k", k, isinstance(k, int) and not isinstance(k, bool) and k >= 0,
+           "an integer >= 0 (0 = off)")]
 
 
 def check_training_config(config) -> None:

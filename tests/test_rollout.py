@@ -123,9 +123,26 @@ def test_tokens_equal_template_rendering_no_think(smol, tiny_policy):
 
 def test_think_mode_splits_turns_and_drops_thoughts(smol, tiny_policy):
   _, chat = smol
+  model, _ = tiny_policy
   cfg = RolloutConfig(think=True, keep_thoughts=False, max_new_tokens=10, temperature=1.0)
   profiles = load_demo_profiles()[3:5]
   dialogues, _ = _rollout(smol, tiny_policy, cfg, profiles, max_turns=2, seed=1)
+  rewound = 0
+  for d in dialogues:
+    for t, s in enumerate(d.samples):
+      # The cache was rewound to drop the raw output: each turn's recorded log-probs (T=1) are a
+      # full forward's over exactly the sample's tokens, whose history holds only visible replies.
+      (start, end), = _spans(s.loss_mask)
+      logits = np.asarray(model(jnp.asarray([s.tokens]))[0], np.float64)
+      tokens = np.array(s.tokens[start:end])
+      prev = logits[start - 1:end - 1]
+      want = prev[np.arange(len(tokens)), tokens] - _logsumexp(prev)
+      np.testing.assert_allclose(s.sampler_logp[start:end], want, atol=2e-3)
+      if t > 0:
+        (p_start, p_end), = _spans(d.samples[t - 1].loss_mask)
+        raw = d.samples[t - 1].tokens[p_start:p_end]
+        rewound += s.tokens[p_start:p_end] != raw  # the raw output is not what stayed in the history
+  assert rewound > 0
   for d in dialogues:
     assert len(d.samples) == len(d.policy_replies)
     for t, s in enumerate(d.samples):

@@ -448,7 +448,75 @@ def test_max_new_tokens_must_be_a_positive_integer(checkpoint, n):
 
 
 @pytest.mark.parametrize("settings", [dict(temperature=float("nan")), dict(temperature=float("inf")),
-                                      dict(top_p=float("nan")), dict(temperature=-0.5)])
+                                      dict(top_p=float("nan")), dict(temperature=-0.5),
+                                      dict(top_k=2.7), dict(top_k=True), dict(top_k=-1)])
 def test_bad_sampling_settings_are_refused(settings):
   with pytest.raises(ValueError, match="bad sampling settings"):
     SamplingParams.make(**settings)
+
+
+def test_huge_top_k_keeps_everything_and_tiny_temperature_stays_finite():
+  logits = jnp.array([[50.0, 49.0, 10.0, -3.0], [5.0, 50.0, 50.0, 1.0]])
+  for k in (4, 3_000_000_000):  # past int32, and past the vocabulary: both mean "off"
+    tokens, slp, _ = sample(logits, jax.random.key(1), SamplingParams.make(1.0, top_k=k))
+    assert np.isfinite(np.asarray(slp)).all()
+  # logits / 1e-37 overflow to inf; the sampler must still take the maximum (first of a tie).
+  tokens, slp, mlp = sample(logits, jax.random.key(2), SamplingParams.make(1e-37))
+  assert np.asarray(tokens)[0] == 0 and np.asarray(tokens)[1] in (1, 2)
+  assert np.isfinite(np.asarray(slp)).all() and np.isfinite(np.asarray(mlp)).all()
+
+
+def test_decoding_on_from_a_decode_equals_one_longer_decode(checkpoint):
+  _, model = checkpoint
+  params = nnx.state(model)
+  sampler = _sampler(model)
+  cache, logits = sampler.prefill(params, sampler.init_cache(3), PROMPTS[:3])
+  once = sampler.decode(params, cache, logits, rng=jax.random.key(0), max_new_tokens=9, sampling=GREEDY)
+  cache, logits = sampler.prefill(params, sampler.init_cache(3), PROMPTS[:3])
+  first = sampler.decode(params, cache, logits, rng=jax.random.key(0), max_new_tokens=4, sampling=GREEDY)
+  # Rows that stopped in the first call stay stopped (inactive); the others carry on.
+  second = sampler.decode(params, first.cache, first.logits, rng=jax.random.key(0), max_new_tokens=5,
+                          sampling=GREEDY, active=~first.stopped)
+  for b in range(3):
+    assert first.row(b) + second.row(b) == once.row(b)[: first.num_tokens[b] + second.num_tokens[b]]
+    if not first.stopped[b]:
+      assert first.row(b) + second.row(b) == once.row(b)
+  np.testing.assert_array_equal(np.asarray(second.cache.lengths), np.asarray(once.cache.lengths))
+
+
+def test_each_step_draws_with_its_own_key(checkpoint):
+  """Step i samples with fold_in(rng, i): re-drawing every step from the full forward's logits with
+  that key gives the same tokens (a loop reusing one key, or one per row, would not)."""
+  _, model = checkpoint
+  params = nnx.state(model)
+  sampler = _sampler(model)
+  t1 = SamplingParams.make(1.0)
+  key = jax.random.key(11)
+  cache, logits = sampler.prefill(params, sampler.init_cache(2), PROMPTS[:2])
+  res = sampler.decode(params, cache, logits, rng=key, max_new_tokens=10, sampling=t1)
+  seqs = [PROMPTS[b] + res.row(b) for b in range(2)]
+  lps = [_full_logprobs(model, s) for s in seqs]
+  for i in range(int(res.num_tokens.max())):
+    step_logits = jnp.asarray(np.stack([lps[b][min(len(PROMPTS[b]) - 1 + i, len(seqs[b]) - 1)]
+                                        for b in range(2)]))
+    tokens, _, _ = sample(step_logits, jax.random.fold_in(key, i), t1)
+    for b in range(2):
+      if i < res.num_tokens[b]:
+        assert int(tokens[b]) == res.tokens[b, i], (b, i)
+
+
+def test_malformed_decode_arguments_are_refused(checkpoint):
+  _, model = checkpoint
+  params = nnx.state(model)
+  sampler = _sampler(model)
+  cache, logits = sampler.prefill(params, sampler.init_cache(3), PROMPTS[:3])
+  call = lambda **kw: sampler.decode(params, cache, logits, rng=jax.random.key(0), max_new_tokens=4, **kw)
+  with pytest.raises(ValueError, match=r"active has shape \(1,\); the cache has 3 rows"):
+    call(active=[False])
+  with pytest.raises(ValueError, match=r"budget has shape \(2,\)"):
+    call(budget=[2, 2])
+  with pytest.raises(ValueError, match="reserve must be >= 0"):
+    call(reserve=-3)
+  for kw in (dict(max_len=0), dict(max_len=32, min_window=0)):
+    with pytest.raises(ValueError, match="must be >= 1"):
+      Sampler(model, stop_ids=[EOS], **kw)

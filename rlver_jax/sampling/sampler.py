@@ -54,6 +54,7 @@ class DecodeResult:
   model_logp: np.ndarray    # [B, N] log-prob under the raw model (T=1, no truncation)
   stopped: np.ndarray       # [B] True where the row ended on a stop id (False: budget/cache full)
   cache: KVCache
+  logits: jax.Array         # [B, V] fp32 after each row's last cached token: decode may go on from here
 
   def row(self, b: int) -> list[int]:
     return self.tokens[b, : self.num_tokens[b]].tolist()
@@ -92,17 +93,21 @@ def _decode_fn(graphdef, params, cache: KVCache, logits_BxV, active_B, budget_B,
     count = s["count"] + live
     is_stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1) & live
     return dict(
-        i=s["i"] + 1, k=k, v=v, lengths=lengths + live, logits=model.logits(hidden[:, 0]),
+        i=s["i"] + 1, k=k, v=v, lengths=lengths + live,
+        logits=jnp.where(live[:, None], model.logits(hidden[:, 0]), s["logits"]),
         count=count, done=s["done"] | is_stop | (count >= budget_B), stopped=s["stopped"] | is_stop,
         tokens=col(s["tokens"], tok), slp=col(s["slp"], jnp.where(live, slp, 0.0)),
         mlp=col(s["mlp"], jnp.where(live, mlp, 0.0)))
 
-  init = dict(i=jnp.int32(0), k=cache.k, v=cache.v, lengths=cache.lengths, logits=logits_BxV,
+  init = dict(i=jnp.int32(0), k=cache.k, v=cache.v, lengths=cache.lengths,
+              logits=logits_BxV.astype(jnp.float32),
               count=jnp.zeros((B,), jnp.int32), done=~active_B | (budget_B <= 0),
               stopped=jnp.zeros((B,), bool), tokens=jnp.full((B, max_new), pad_id, jnp.int32),
               slp=zeros_f, mlp=zeros_f)
   s = jax.lax.while_loop(cond, body, init)
-  return KVCache(s["k"], s["v"], s["lengths"], cache.layout), s["tokens"], s["count"], s["slp"], s["mlp"], s["stopped"]
+  # A finished row keeps its logits, so each row ends with those after its last cached token.
+  return (KVCache(s["k"], s["v"], s["lengths"], cache.layout), s["tokens"], s["count"], s["slp"],
+          s["mlp"], s["stopped"], s["logits"])
 
 
 def _check_ids(rows: Sequence[Sequence[int]], vocab: int) -> None:
@@ -131,6 +136,8 @@ class Sampler:
                append_buckets: Sequence[int] = DEFAULT_APPEND_BUCKETS, min_window: int = 64,
                mesh: jax.sharding.Mesh | None = None, cache_dtype=None,
                cache_layout: Layout | None = None):
+    if max_len < 1 or min_window < 1:
+      raise ValueError(f"max_len ({max_len}) and min_window ({min_window}) must be >= 1")
     self.graphdef = nnx.graphdef(model)
     self.config = model.config
     self.max_len = max_len
@@ -207,7 +214,8 @@ class Sampler:
       tokens = np.full((B, T), self.pad_id, np.int32)
       for b, p in enumerate(part):
         tokens[b, : len(p)] = p
-      window = bucket(int((lengths + n).max()), self.windows)
+      # The window covers what was cached before this chunk; the new tokens are their own segment.
+      window = bucket(max(int(lengths.max()), 1), self.windows)
       with self._on_mesh():
         cache, logits = self._append(self.graphdef, params, cache, jnp.asarray(tokens), jnp.asarray(n),
                                      logits, window=window)
@@ -228,6 +236,11 @@ class Sampler:
     B = cache.batch_size
     sampling = sampling or SamplingParams.make()
     lengths = _host(cache.lengths)
+    if reserve < 0:
+      raise ValueError(f"reserve must be >= 0, got {reserve}")
+    for name, given in (("active", active), ("budget", budget)):
+      if given is not None and np.shape(given) != (B,):
+        raise ValueError(f"{name} has shape {np.shape(given)}; the cache has {B} rows, so it needs ({B},)")
     active = np.ones(B, bool) if active is None else np.asarray(active, bool)
     budget = np.full(B, max_new_tokens) if budget is None else np.minimum(budget, max_new_tokens)
     room = np.maximum(self.max_len - reserve - lengths, 0)  # never write past the cache
@@ -237,6 +250,6 @@ class Sampler:
       out = self._decode(self.graphdef, params, cache, logits, jnp.asarray(active), jnp.asarray(budget),
                          self.stop_ids, rng, sampling, window=window, max_new=max_new_tokens,
                          pad_id=self.pad_id)
-    cache, tokens, count, slp, mlp, stopped = out
+    cache, tokens, count, slp, mlp, stopped, last_logits = out
     return DecodeResult(tokens=_host(tokens), num_tokens=_host(count), sample_logp=_host(slp),
-                        model_logp=_host(mlp), stopped=_host(stopped), cache=cache)
+                        model_logp=_host(mlp), stopped=_host(stopped), cache=cache, logits=last_logits)

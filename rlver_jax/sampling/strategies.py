@@ -11,6 +11,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax.sharding import PartitionSpec as P
 
@@ -29,10 +30,13 @@ class SamplingParams:
   @staticmethod
   def make(temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> "SamplingParams":
     # `not (x >= 0)` also refuses NaN, which every plain comparison lets through.
-    if not (0 <= temperature < float("inf")) or not 0 < top_p <= 1 or top_k < 0:
+    integer_k = isinstance(top_k, (int, np.integer)) and not isinstance(top_k, bool)
+    if not (0 <= temperature < float("inf")) or not 0 < top_p <= 1 or not integer_k or top_k < 0:
       raise ValueError(f"bad sampling settings: temperature={temperature} (>= 0), top_p={top_p} "
-                       f"(in (0, 1]), top_k={top_k} (>= 0)")
-    return SamplingParams(jnp.float32(temperature), jnp.float32(top_p), jnp.int32(top_k))
+                       f"(in (0, 1]), top_k={top_k!r} (an integer >= 0)")
+    # Any k at or past the vocabulary keeps everything; int32 is the traced type.
+    return SamplingParams(jnp.float32(temperature), jnp.float32(top_p),
+                          jnp.int32(min(int(top_k), 2**31 - 1)))
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
@@ -218,7 +222,8 @@ def sample(logits_BxV: jax.Array, key: jax.Array, params: SamplingParams):
     return _argmax(logits, top), jnp.zeros(logits.shape[:1], jnp.float32)
 
   def sampled(_):
-    scaled = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    # Shifted to <= 0 first: a tiny temperature must not overflow to inf (then inf - inf = NaN).
+    scaled = filter_logits((logits - top) / params.temperature, params.top_k, params.top_p)
     tokens = categorical(key, scaled)
     return tokens, _pick(scaled, tokens) - jax.nn.logsumexp(scaled, axis=-1)
 

@@ -6,6 +6,7 @@ sees frozen dataclasses or plain arguments.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import jax
@@ -18,7 +19,7 @@ from rlver_jax.env.model_backend import ModelBackend
 from rlver_jax.env.profiles import Profile, load_demo_profiles, load_profiles
 from rlver_jax.env.rollout import RolloutConfig
 from rlver_jax.models import load_pretrained
-from rlver_jax.models.presets import param_dtype_of
+from rlver_jax.models.presets import from_hf_config, param_dtype_of
 from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
 from rlver_jax.rl.update import LossConfig, OptimConfig
 from rlver_jax.sampling.sampler import Sampler
@@ -167,7 +168,15 @@ def append_buckets(config, role: str) -> tuple[int, ...]:
   return buckets
 
 
+def _check_context(trained: int, max_context: int, key: str) -> None:
+  """Positions past the checkpoint's trained length are out of distribution (no RoPE scaling here)."""
+  if max_context > trained:
+    raise ConfigError(f"config.{key}={max_context} exceeds the checkpoint's max_position_embeddings "
+                      f"({trained}); lower it to at most {trained}")
+
+
 def policy_sampler(model, chat: ChatTokens, config, mesh) -> Sampler:
+  _check_context(model.config.max_position_embeddings, config.policy.max_context, "policy.max_context")
   return Sampler(model, max_len=config.policy.max_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
                  append_buckets=append_buckets(config, "policy"), mesh=mesh)
 
@@ -192,6 +201,9 @@ def simulator_backend(config, mesh):
     raise ConfigError(f"config.simulator.backend: unknown backend {s.backend!r} "
                       "(expected 'model', 'http' or 'scripted')")
   path = resolve_checkpoint(s.checkpoint, "simulator.checkpoint")
+  config_json = epath.Path(path).joinpath("config.json")
+  hf_config = from_hf_config(json.loads(config_json.read_text()), str(config_json))
+  _check_context(hf_config.max_position_embeddings, s.max_context, "simulator.max_context")  # before loading
   model, _ = load_pretrained(path, dtype=param_dtype_of(s.dtype), mesh=mesh)
   chat = ChatTokens(load_tokenizer(path))
   sampler = Sampler(model, max_len=s.max_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id,

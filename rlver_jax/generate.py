@@ -154,6 +154,9 @@ def _generate():
     ids = _prompt_ids(chat, _PROMPT.value, _SYSTEM.value, _CHAT.value)
     _check_prompt(ids)  # before the model loads
   model, _ = load_pretrained(checkpoint, dtype=param_dtype_of(_DTYPE.value))
+  trained = model.config.max_position_embeddings
+  if _MAX_LEN.value > trained:  # positions past it are out of distribution (no RoPE scaling here)
+    raise ValueError(f"--max_len={_MAX_LEN.value} exceeds the checkpoint's max_position_embeddings ({trained})")
   sampler = Sampler(model, max_len=_MAX_LEN.value, stop_ids=chat.stop_ids, pad_id=chat.pad_id)
   params = nnx.state(model)
   rng = jax.random.key(_SEED.value)

@@ -48,6 +48,22 @@ def test_samplers_use_the_configured_buckets():
   assert backend.sampler.append_buckets == (32, 48, config.simulator.max_context)
 
 
+def test_contexts_past_the_checkpoints_trained_length_are_refused(monkeypatch):
+  config = _config()
+  path = embedded_model_dir()
+  model, _ = load_pretrained(path, dtype=jnp.float32)
+  chat = ChatTokens(load_tokenizer(path))
+  trained = model.config.max_position_embeddings  # 8192 for SmolLM2
+  config.policy.max_context = trained + 1
+  with pytest.raises(build.ConfigError, match=rf"config.policy.max_context={trained + 1} exceeds .*\({trained}\)"):
+    build.policy_sampler(model, chat, config, mesh=None)
+  config.simulator.max_context = trained * 2
+  # Refused before the simulator's weights load.
+  monkeypatch.setattr(build, "load_pretrained", lambda *a, **k: pytest.fail("loaded the simulator"))
+  with pytest.raises(build.ConfigError, match="config.simulator.max_context"):
+    build.simulator_backend(config, mesh=None)
+
+
 @pytest.mark.parametrize("overrides,key", [
     (dict(reward_mode="per_turn"), "config.rl.reward_mode"),
     (dict(kl_in_reward=True, kl_coef=0.1), "config.rl.kl_in_reward"),

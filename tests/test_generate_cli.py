@@ -90,7 +90,8 @@ def test_bad_input_is_one_clear_line():
   for args, message in ((["--checkpoint=/nonexistent/model"], "--checkpoint=/nonexistent/model"),
                         (["--temperature=-1"], "temperature"),
                         (["--max_new_tokens=0"], "--max_new_tokens=0"),
-                        (["--max_len=4"], "--max_len=4 leaves no room for a reply")):
+                        (["--max_len=4"], "--max_len=4 leaves no room for a reply"),
+                        (["--max_len=8193"], "--max_len=8193 exceeds the checkpoint's max_position_embeddings (8192)")):
     proc = _run(["--chat", "--prompt=Hello there, how are you today?", *args])
     assert proc.returncode != 0
     last = [l for l in proc.stderr.strip().splitlines() if l.strip()][-1]

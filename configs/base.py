@@ -100,7 +100,7 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.rl.dual_clip = 0.0               # 0 = off
   c.rl.value_clip = 0.5
   c.rl.entropy_coef = 0.001
-  c.rl.loss_agg = "token-mean"
+  c.rl.loss_agg = "token-mean"       # seq-* modes count samples: with think mode, one per turn
   c.rl.loss_norm_len = 0             # seq-mean-token-sum-norm divisor; 0 = policy.max_context
   c.rl.kl_coef = 0.0                 # no reference model, as in the paper
   c.rl.kl_kind = "k3"

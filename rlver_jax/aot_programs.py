@@ -29,7 +29,7 @@ from rlver_jax import build
 from rlver_jax.models.factory import abstract_model, state_shardings
 from rlver_jax.models.presets import Qwen2Config, get_preset, param_dtype_of
 from rlver_jax.models.qwen2 import Head, Qwen2
-from rlver_jax.rl.update import Updater, make_optimizer
+from rlver_jax.rl.update import Updater, make_optimizer, opt_state_shardings
 from rlver_jax.sampling.kv_cache import KVCache, default_layout
 from rlver_jax.sampling.sampler import DEFAULT_APPEND_BUCKETS, Sampler, bucket
 from rlver_jax.sampling.strategies import SamplingParams
@@ -242,9 +242,8 @@ def run_decode(config, mesh, *, role: str):
 def abstract_opt_state(optimizer: optax.GradientTransformation, params, mesh: Mesh):
   """Optimizer state shaped by `optimizer.init`; param-like leaves take the params' shardings."""
   state = jax.eval_shape(optimizer.init, params)
-  shard = lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding)
-  replicate = lambda t: _replicated(mesh, t)
-  return optax.tree_map_params(optimizer, shard, state, params, transform_non_params=replicate)
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
+                      opt_state_shardings(optimizer, params, mesh))
 
 
 def batch_keys(config: ml_collections.ConfigDict) -> tuple[str, ...]:

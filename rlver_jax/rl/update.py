@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlver_jax.models.qwen2 import Qwen2
 from rlver_jax.rl import losses
@@ -130,6 +131,15 @@ def _value_loss(critic: Qwen2, mb: dict[str, jax.Array], cfg: LossConfig):
 LOSSES = {"policy": _policy_loss, "value": _value_loss}
 
 
+def opt_state_shardings(optimizer: optax.GradientTransformation, params, mesh: Mesh):
+  """Shardings of `optimizer.init(params)`: param-like leaves (moments) as their params, the rest
+  (step counts) replicated. `params` may be arrays or sharded ShapeDtypeStructs."""
+  state = jax.eval_shape(optimizer.init, params)
+  whole = NamedSharding(mesh, PartitionSpec())
+  return optax.tree_map_params(optimizer, lambda _, p: p.sharding, state, params,
+                               transform_non_params=lambda _: whole)
+
+
 class Updater:
   """Owns one jitted, donated update step for a model (policy or critic) and its optimizer."""
 
@@ -141,7 +151,13 @@ class Updater:
     self._step = jax.jit(self._step_impl, donate_argnums=(0, 1))
 
   def init(self, params: nnx.State) -> Any:
-    return jax.jit(self.optimizer.init)(params)
+    """The optimizer state, its moments sharded like the params (jit alone would replicate them:
+    `zeros_like` does not inherit a sharding, and Adam's two moments of a 7B policy are 56 GB)."""
+    sharding = jax.tree.leaves(params)[0].sharding
+    if not isinstance(sharding, NamedSharding):
+      return jax.jit(self.optimizer.init)(params)
+    shardings = opt_state_shardings(self.optimizer, params, sharding.mesh)
+    return jax.jit(self.optimizer.init, out_shardings=shardings)(params)
 
   def step(self, params: nnx.State, opt_state, batch: dict[str, jax.Array]):
     """batch arrays are [M, B, T]; returns (params, opt_state, metrics)."""

@@ -22,8 +22,10 @@ class Checkpointer:
     root = workdir if "://" in workdir else os.path.abspath(workdir)
     self.directory = epath.Path(root) / "checkpoints"
     self.every_steps = every_steps
+    # cleanup_tmp_directories: a save killed mid-commit leaves a tmp folder that rotation never
+    # removes (a whole checkpoint's size, policy + critic + optimizer state).
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                           enable_async_checkpointing=True)
+                                           enable_async_checkpointing=True, cleanup_tmp_directories=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "meta"))
 

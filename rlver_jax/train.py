@@ -300,8 +300,9 @@ def _reseed_simulator(backend, rng) -> None:
     reseed(jax.random.fold_in(rng, _SIMULATOR_STREAM))
 
 
-def evaluate_holdout(trainer: Trainer, rng) -> dict:
-  """The current policy on the held-out profiles, with the evaluation start emotion and turn limit."""
+def evaluate_holdout(trainer: Trainer, rng, should_stop=None) -> dict:
+  """The current policy on the held-out profiles, with the evaluation start emotion and turn limit.
+  `should_stop` is polled between turns (RolloutInterrupted when it fires)."""
   c = trainer.config
   profiles = trainer.holdout[: c.eval.num_profiles or None]  # 0 = all, as in the eval config
   _reseed_simulator(trainer.backend, rng)
@@ -311,9 +312,23 @@ def evaluate_holdout(trainer: Trainer, rng) -> dict:
   with jax.set_mesh(trainer.mesh):
     dialogues = run_dialogues(profiles, list(range(len(profiles))), users, sampler=trainer.sampler,
                               params=trainer.state["policy"], chat=trainer.chat,
-                              cfg=build.holdout_rollout_config(c), rng=rng)
+                              cfg=build.holdout_rollout_config(c), rng=rng, should_stop=should_stop)
   s = summarize(dialogues)
   return {f"eval/{k}": s[k] for k in ("score", "success_rate", "failure_rate", "mean_turns")}
+
+
+def _eval_key(config) -> jax.Array:
+  return jax.random.key(config.seed + 7)
+
+
+def _evaluation_missing(trainer: Trainer) -> bool:
+  """Whether the restored step is an evaluation step whose row has no evaluation (every host reads
+  the same shared metrics.jsonl, so all agree)."""
+  every, step = trainer.config.eval.every_steps, trainer.step
+  if not every or step == 0 or step % every:
+    return False
+  row = next((r for r in trainer.writer.history() if r.get("step") == step), None)
+  return row is not None and "eval/score" not in row
 
 
 class TrainingDiverged(RuntimeError):
@@ -341,7 +356,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
   # finally: an error mid-run still completes the checkpoint saves already started (they are async).
   try:
     with PreemptionGuard() as guard:
-      while trainer.step < total:
+      stopped = False
+      if _evaluation_missing(trainer):
+        # The step was saved, then its evaluation was cut short (a crash or SIGTERM): redo it.
+        try:
+          trainer.writer.write(trainer.step, evaluate_holdout(trainer, _eval_key(config), guard.agreed),
+                               merge=True)
+        except RolloutInterrupted:
+          logging.warning("SIGTERM during the evaluation of step %d, exiting", trainer.step)
+          stopped = True
+      while trainer.step < total and not stopped:
         try:
           # Polled between turns too: a rollout takes minutes and a preemption notice ~30 s.
           metrics = trainer.train_step(should_stop=guard.agreed)
@@ -365,8 +389,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
           logging.warning("SIGTERM: saved step %d, exiting", step)
           break
         if config.eval.every_steps and step % config.eval.every_steps == 0:
-          trainer.writer.write(step, evaluate_holdout(trainer, jax.random.key(config.seed + 7)),
-                               merge=True)
+          try:  # minutes long: a preemption notice (~30 s of grace) must not wait for its end
+            scores = evaluate_holdout(trainer, _eval_key(config), guard.agreed)
+          except RolloutInterrupted:
+            trainer.save()  # no-op if this step was just saved
+            logging.warning("SIGTERM during the evaluation after step %d: saved it, exiting", step)
+            break
+          trainer.writer.write(step, scores, merge=True)
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
                         emotion=f"{metrics['final_emotion_mean']:.1f}")

@@ -381,3 +381,42 @@ def test_optimizer_moments_are_sharded_like_their_params(world, tmp_path):
   assert resumed.restore_if_any()
   check(resumed)
   resumed.checkpointer.close()
+
+
+def test_sigterm_during_an_evaluation_saves_the_step_and_the_resume_redoes_the_evaluation(
+    world, tmp_path, monkeypatch):
+  evaluating = {"eval.every_steps": 1, "data.num_holdout": 1, "eval.num_profiles": 1,
+                "eval.max_turns": 2, "checkpoint.every_steps": 100}
+  cfg = lambda: _config(world, "grpo", total_steps=1, **evaluating)
+  probe = _CountingGuard()
+  monkeypatch.setattr(train, "PreemptionGuard", lambda: probe)
+  train.run(_config(world, "grpo", total_steps=1), str(tmp_path / "probe"))
+  per_step = probe.calls  # the rollout's polls and the one after the step; the evaluation's follow
+  monkeypatch.setattr(train, "PreemptionGuard", lambda: _CountingGuard(fire_at=per_step + 1))
+  interrupted, straight = tmp_path / "interrupted", tmp_path / "straight"
+  assert train.run(cfg(), str(interrupted))["step"] == "1"
+  ckpt = Checkpointer(str(interrupted), every_steps=100, keep=1)
+  assert ckpt.latest_step() == 1  # saved although every_steps=100 would not have
+  ckpt.close()
+  assert "eval/score" not in _metrics(interrupted)[0]
+  monkeypatch.setattr(train, "PreemptionGuard", lambda: _CountingGuard())
+  train.run(cfg(), str(interrupted))  # nothing left to train: only the missing evaluation runs
+  train.run(cfg(), str(straight))
+  redone, want = _metrics(interrupted), _metrics(straight)
+  assert [r["step"] for r in redone] == [1]
+  assert {k: v for k, v in redone[0].items() if k.startswith("eval/")} == \
+      {k: v for k, v in want[0].items() if k.startswith("eval/")}
+
+
+def test_a_save_killed_mid_commit_leaves_no_tmp_folder_behind(tmp_path):
+  state = {"w": jax.numpy.arange(4.0)}
+  ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=2)
+  ckpt.save(1, state, {"step": 1})
+  ckpt.close()
+  orphan = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp-1764590000000000"
+  (orphan / "state").mkdir(parents=True)  # what a kill during step 2's commit leaves
+  ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=2)
+  assert ckpt.latest_step() == 1 and not orphan.exists()
+  ckpt.save(2, state, {"step": 2})
+  ckpt.close()
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]

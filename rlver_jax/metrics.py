@@ -55,6 +55,22 @@ class MetricsWriter:
         raise ValueError(f"{self.path}:{i + 1}: not a JSON metrics line ({e})") from None
     return rows
 
+  def drop_after(self, step: int) -> None:
+    """Removes the rows and transcripts of steps after `step`: a resumed run restarts from its
+    checkpoint, and what a later, unsaved attempt wrote must not outlive it even if the resumed run
+    stops before writing anything (its next write would drop them too)."""
+    on_process_zero(f"rewriting {self.path}", lambda: self._drop_after(step))
+
+  def _drop_after(self, step: int) -> None:
+    rows = self.history()
+    if any(r.get("step", 0) > step for r in rows):
+      kept = [json.dumps(r) for r in rows if r.get("step", 0) <= step]
+      replace_text(self.path, "".join(line + "\n" for line in kept))
+    for path in self.transcripts.glob("step_*.jsonl"):
+      number = path.stem[len("step_"):]
+      if number.isdigit() and int(number) > step:
+        path.unlink()
+
   def write(self, step: int, metrics: dict[str, Any], *, merge: bool = False) -> None:
     """Writes `step`'s row, dropping rows of later steps (a resumed run redoes them); with `merge`
     the metrics are added to the row already written for `step`."""

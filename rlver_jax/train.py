@@ -117,11 +117,13 @@ class Trainer:
 
   def restore_if_any(self) -> bool:
     if self.checkpointer.latest_step() is None:
+      self.writer.drop_after(0)  # rows of an earlier attempt that never saved: it starts over
       return False
     state, meta = self.checkpointer.restore(abstract_like(self.state))
     self.state = state
     self.step = int(meta["step"])
     self.profile_sampler.load_state_dict(meta["profile_sampler"])
+    self.writer.drop_after(self.step)
     logging.info("resumed from step %d", self.step)
     return True
 

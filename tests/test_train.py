@@ -420,3 +420,20 @@ def test_a_save_killed_mid_commit_leaves_no_tmp_folder_behind(tmp_path):
   ckpt.save(2, state, {"step": 2})
   ckpt.close()
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]
+
+
+def test_a_resume_drops_what_an_unsaved_later_attempt_wrote(world, tmp_path):
+  cfg = _config(world, "grpo", total_steps=1, **{"log.transcripts_every": 1})
+  train.run(cfg, str(tmp_path))
+  # An attempt that got to steps 2 and 3 and died before saving either.
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 2, "reward_mean": 0.5}\n{"step": 3, "reward_mean": 0.6}\n')
+  for step in (2, 3):
+    (tmp_path / "transcripts" / f"step_{step:06d}.jsonl").write_text("{}\n")
+  (tmp_path / "transcripts" / "step_notes.jsonl").write_text("mine\n")  # not ours: left alone
+  trainer = train.Trainer(cfg, str(tmp_path))
+  assert trainer.restore_if_any() and trainer.step == 1
+  trainer.checkpointer.close()
+  assert [m["step"] for m in _metrics(tmp_path)] == [1]
+  assert sorted(p.name for p in (tmp_path / "transcripts").iterdir()) == [
+      "step_000001.jsonl", "step_notes.jsonl"]

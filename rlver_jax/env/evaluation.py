@@ -10,10 +10,10 @@ from rlver_jax.env.profiles import intention_key, personality_key
 from rlver_jax.env.rollout import Dialogue
 
 
-def _key_or_raw(fn, profile) -> str:
+def _key_or_other(fn, profile) -> str:
   try:
     return fn(profile)
-  except ValueError:  # custom profiles with their own labels are grouped under those labels
+  except ValueError:  # profiles with labels outside the known sets are grouped together
     return "other"
 
 
@@ -37,7 +37,7 @@ def summarize(dialogues: Sequence[Dialogue]) -> dict:
   for name, fn in (("by_task", intention_key), ("by_main_cha", personality_key)):
     groups = collections.defaultdict(list)
     for d in dialogues:
-      groups[_key_or_raw(fn, d.profile)].append(d)
+      groups[_key_or_other(fn, d.profile)].append(d)
     out[name] = {k: _rates(np.array([d.final_emotion for d in v], np.float64),
                            np.array([d.reward for d in v], np.float64))
                  for k, v in sorted(groups.items())}

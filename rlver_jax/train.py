@@ -123,13 +123,18 @@ class Trainer:
     self.state = state
     self.step = int(meta["step"])
     self.profile_sampler.load_state_dict(meta["profile_sampler"])
+    shards, saved = batch_shards(self.mesh), meta.get("batch_shards", batch_shards(self.mesh))
+    if shards != saved:  # e.g. mesh.fsdp=-1 on a different slice: training goes on, but differently
+      logging.warning("step %d was trained with %d batch shards, this mesh has %d: each micro-batch "
+                      "now holds rl.micro_batch_size x %d rows instead of x %d", self.step, saved,
+                      shards, shards, saved)
     self.writer.drop_after(self.step)
     logging.info("resumed from step %d", self.step)
     return True
 
   def save(self) -> None:
     meta = {"step": self.step, "profile_sampler": self.profile_sampler.state_dict(),
-            "config": self.config.to_dict()}
+            "config": self.config.to_dict(), "batch_shards": batch_shards(self.mesh)}
     self.checkpointer.save(self.step, self.state, meta)
 
   # -- one step ----------------------------------------------------------------------------------

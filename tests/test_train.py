@@ -437,3 +437,17 @@ def test_a_resume_drops_what_an_unsaved_later_attempt_wrote(world, tmp_path):
   assert [m["step"] for m in _metrics(tmp_path)] == [1]
   assert sorted(p.name for p in (tmp_path / "transcripts").iterdir()) == [
       "step_000001.jsonl", "step_notes.jsonl"]
+
+
+def test_a_resume_on_a_different_batch_sharding_is_reported(world, tmp_path, monkeypatch, caplog):
+  cfg = _config(world, "grpo", total_steps=1)
+  real = train.batch_shards
+  monkeypatch.setattr(train, "batch_shards", lambda mesh: 2 * real(mesh))  # "saved on a bigger slice"
+  train.run(cfg, str(tmp_path))
+  monkeypatch.setattr(train, "batch_shards", real)
+  trainer = train.Trainer(cfg, str(tmp_path))
+  with caplog.at_level("WARNING"):
+    assert trainer.restore_if_any()
+  trainer.checkpointer.close()
+  n = real(trainer.mesh)
+  assert f"trained with {2 * n} batch shards, this mesh has {n}" in caplog.text

@@ -340,6 +340,22 @@ def test_rates_are_on_the_reward(penalised):
   assert group["success_rate"] == s["success_rate"] and group["failure_rate"] == s["failure_rate"]
 
 
+def test_rate_thresholds_at_their_edges():
+  # Spec: success at 100 (99 is not), failure below 10 (10 is not), positive above 40 (40 is not).
+  profile = load_demo_profiles()[0]
+  cfg = RolloutConfig(think=False)
+  dialogues = []
+  for change in (-20, -21, 10, 11, 69, 70):  # from 30: finals 10, 9, 40, 41, 99, 100
+    row = _Row(ctx=[0, 1], mask=[0, 1], logp=[0.0, 0.0], turn_ends=[1], format_ok=[True])
+    rec = _record(30, [change], profile)
+    dialogues.append(_finish(0, row, profile, 0, SimpleNamespace(records=[rec]), cfg))
+  assert [d.final_emotion for d in dialogues] == [10, 9, 40, 41, 99, 100]
+  s = summarize(dialogues)
+  assert s["failure_rate"] == pytest.approx(1 / 6)
+  assert s["positive_rate"] == pytest.approx(3 / 6)
+  assert s["success_rate"] == pytest.approx(1 / 6)
+
+
 def test_colocated_model_backend_two_dialogues(smol):
   path, chat = smol
   model, _ = load_pretrained(path, dtype=jnp.float32)

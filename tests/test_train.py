@@ -68,13 +68,15 @@ def _params(workdir, config):
   return jax.tree.map(np.asarray, trainer.state), trainer.step
 
 
-@pytest.mark.parametrize("simulator", ["scripted", "model"])
-def test_resume_equals_straight_run(world, tmp_path, simulator):
-  # With a sampling simulator (the tiny policy plays the user) its random draws must repeat too.
+@pytest.mark.parametrize("algo,simulator", [("grpo", "scripted"), ("grpo", "model"), ("ppo", "scripted")])
+def test_resume_equals_straight_run(world, tmp_path, algo, simulator):
+  # With a sampling simulator (the tiny policy plays the user) its random draws must repeat too;
+  # PPO restores a critic and its optimizer as well.
   sim = {} if simulator == "scripted" else {
       "simulator.backend": "model", "simulator.checkpoint": world["policy"],
       "simulator.max_new_tokens": 6, "simulator.max_context": 2048, "simulator.dtype": "float32"}
-  cfg = lambda steps: _config(world, "grpo", total_steps=steps, **sim, **{"log.transcripts_every": 1})
+  warmup = {"optim.warmup_steps": 3} if algo == "ppo" else {}  # the schedule must resume mid-warm-up
+  cfg = lambda steps: _config(world, algo, total_steps=steps, **sim, **warmup, **{"log.transcripts_every": 1})
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   train.run(cfg(4), str(straight))
   train.run(cfg(2), str(resumed))

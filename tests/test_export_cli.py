@@ -170,3 +170,22 @@ def test_default_export_dtype_follows_the_base(tmp_path):
   cfg["torch_dtype"] = "bfloat16"
   (tmp_path / "base" / "config.json").write_text(json.dumps(cfg))
   assert trained_policy.base_dtype(str(tmp_path / "base")) == "bfloat16"
+
+
+def test_a_ppo_runs_export_is_its_policy_not_its_critic(run, tmp_path):
+  """A PPO checkpoint also holds a critic and two optimizer states: export restores the policy alone."""
+  config = base.get_base_config("ppo", think=False, arg=None)
+  tiny_world.apply(config, tiny_world.tiny_overrides(run["world"], "ppo"))
+  tiny_world.apply(config, {"total_steps": 1})
+  workdir, out = tmp_path / "ppo", tmp_path / "hf"
+  train.run(config, str(workdir))
+  assert trained_policy.export(str(workdir), str(out)) == 1
+  trainer = train.Trainer(config, str(workdir))
+  assert trainer.restore_if_any()
+  trainer.checkpointer.close()
+  nnx.update(trainer.policy, trainer.state["policy"])
+  exported, _ = load_pretrained(str(out), dtype=jnp.float32)
+  # (Not bitwise: the trainer's copy is sharded over 8 devices, which changes reduction order.)
+  np.testing.assert_allclose(_logits(exported), _logits(trainer.policy), atol=1e-5)
+  initial, _ = load_pretrained(run["world"]["policy"], dtype=jnp.float32)
+  assert np.abs(_logits(initial) - _logits(exported)).max() > 1e-4  # the trained policy, not the base

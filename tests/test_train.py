@@ -418,8 +418,8 @@ def test_a_save_killed_mid_commit_leaves_no_tmp_folder_behind(tmp_path):
   orphan = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp-1764590000000000"
   (orphan / "state").mkdir(parents=True)  # what a kill during step 2's commit leaves
   ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=2)
-  assert ckpt.latest_step() == 1 and not orphan.exists()
-  ckpt.save(2, state, {"step": 2})
+  assert ckpt.latest_step() == 1
+  ckpt.save(2, state, {"step": 2})  # orbax removes tmp folders in the background, done before a save
   ckpt.close()
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]
 

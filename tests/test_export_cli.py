@@ -174,9 +174,7 @@ def test_default_export_dtype_follows_the_base(tmp_path):
 
 def test_a_ppo_runs_export_is_its_policy_not_its_critic(run, tmp_path):
   """A PPO checkpoint also holds a critic and two optimizer states: export restores the policy alone."""
-  config = base.get_base_config("ppo", think=False, arg=None)
-  tiny_world.apply(config, tiny_world.tiny_overrides(run["world"], "ppo"))
-  tiny_world.apply(config, {"total_steps": 1})
+  config = tiny_world.training_config(run["world"], "ppo", total_steps=1)
   workdir, out = tmp_path / "ppo", tmp_path / "hf"
   train.run(config, str(workdir))
   assert trained_policy.export(str(workdir), str(out)) == 1

@@ -1,8 +1,6 @@
 """From real rollouts to the update's inputs: where rewards land, which advantage each packed row
 gets (think mode makes one sample per turn), whitening, explained variance, and an on-policy first
 update. Checked against numpy recomputations from the dialogues themselves."""
-import pathlib
-import sys
 
 import jax
 import numpy as np
@@ -12,10 +10,6 @@ import tiny_world
 from rlver_jax import train
 from rlver_jax.sharding import host_array
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "configs"))
-import base  # noqa: E402
-
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
@@ -23,9 +17,7 @@ def world(tmp_path_factory):
 
 
 def _rollout_and_batch(world, tmp_path, algo, **extra):
-  config = base.get_base_config(algo, think=False, arg=None)
-  tiny_world.apply(config, tiny_world.tiny_overrides(world, algo))
-  tiny_world.apply(config, {"total_steps": 1, **extra})
+  config = tiny_world.training_config(world, algo, **{"total_steps": 1, **extra})
   trainer = train.Trainer(config, str(tmp_path))
   with jax.set_mesh(trainer.mesh):
     dialogues, _ = trainer.rollout(jax.random.key(3))

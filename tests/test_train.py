@@ -18,8 +18,6 @@ from rlver_jax import train
 from rlver_jax.checkpoint import Checkpointer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "configs"))
-import base  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +25,7 @@ def world(tmp_path_factory):
   return tiny_world.make_world(tmp_path_factory.mktemp("world"))
 
 
-def _config(world, algo, **extra):
-  config = base.get_base_config(algo, think=False, arg=None)
-  tiny_world.apply(config, tiny_world.tiny_overrides(world, algo))
-  tiny_world.apply(config, extra)
-  return config
+_config = tiny_world.training_config
 
 
 def _metrics(workdir):

@@ -1,7 +1,5 @@
 """The trainer's optional terms on real rollouts: KL to the reference (in the loss for GRPO, in the
 rewards for PPO) and truncated importance sampling against the sampler's log-probs."""
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,21 +12,13 @@ from rlver_jax.rl import advantages as adv_lib
 from rlver_jax.rl.losses import kl_penalty
 from rlver_jax.sharding import host_array
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "configs"))
-import base  # noqa: E402
-
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
   return tiny_world.make_world(tmp_path_factory.mktemp("world"))
 
 
-def _config(world, algo, **extra):
-  config = base.get_base_config(algo, think=False, arg=None)
-  tiny_world.apply(config, tiny_world.tiny_overrides(world, algo))
-  tiny_world.apply(config, extra)
-  return config
+_config = tiny_world.training_config
 
 
 def _batch(trainer, step):

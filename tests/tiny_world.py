@@ -66,6 +66,20 @@ def tiny_overrides(world: dict[str, str], algo: str) -> dict:
   }
 
 
+def training_config(world: dict[str, str], algo: str, **extra):
+  """configs/base.py's no-think config for `algo` with the tiny-world overrides, then `extra` (dotted
+  keys, e.g. **{"rl.kl_coef": 0.1})."""
+  import importlib.util
+  path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "base.py"
+  spec = importlib.util.spec_from_file_location("tiny_world_base_config", path)
+  base = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(base)
+  config = base.get_base_config(algo, think=False, arg=None)
+  apply(config, tiny_overrides(world, algo))
+  apply(config, extra)
+  return config
+
+
 def apply(config, overrides: dict) -> None:
   for key, value in overrides.items():
     node = config

@@ -30,9 +30,9 @@ from jax.experimental import topologies
 from jax.sharding import Mesh
 from ml_collections import config_flags
 
-from rlver_jax.cli_errors import exit_on
 from rlver_jax import aot_run
 from rlver_jax.aot_programs import PROGRAMS
+from rlver_jax.cli_errors import exit_on
 from rlver_jax.run_config import parse_flags
 from rlver_jax.sharding import MeshConfig, make_mesh
 from rlver_jax.train_checks import check_training_config

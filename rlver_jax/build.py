@@ -168,15 +168,17 @@ def append_buckets(config, role: str) -> tuple[int, ...]:
   return buckets
 
 
-def _check_context(trained: int, max_context: int, key: str) -> None:
-  """Positions past the checkpoint's trained length are out of distribution (no RoPE scaling here)."""
+def check_context(trained: int, max_context: int, setting: str) -> None:
+  """Positions past the checkpoint's trained length are out of distribution (no RoPE scaling here).
+  `setting` names where the length came from ("config.policy.max_context", "--max_len")."""
   if max_context > trained:
-    raise ConfigError(f"config.{key}={max_context} exceeds the checkpoint's max_position_embeddings "
+    raise ConfigError(f"{setting}={max_context} exceeds the checkpoint's max_position_embeddings "
                       f"({trained}); lower it to at most {trained}")
 
 
 def policy_sampler(model, chat: ChatTokens, config, mesh) -> Sampler:
-  _check_context(model.config.max_position_embeddings, config.policy.max_context, "policy.max_context")
+  check_context(model.config.max_position_embeddings, config.policy.max_context,
+                "config.policy.max_context")
   return Sampler(model, max_len=config.policy.max_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
                  append_buckets=append_buckets(config, "policy"), mesh=mesh)
 
@@ -203,7 +205,8 @@ def simulator_backend(config, mesh):
   path = resolve_checkpoint(s.checkpoint, "simulator.checkpoint")
   config_json = epath.Path(path).joinpath("config.json")
   hf_config = from_hf_config(json.loads(config_json.read_text()), str(config_json))
-  _check_context(hf_config.max_position_embeddings, s.max_context, "simulator.max_context")  # before loading
+  check_context(hf_config.max_position_embeddings, s.max_context,  # before the weights load
+                "config.simulator.max_context")
   model, _ = load_pretrained(path, dtype=param_dtype_of(s.dtype), mesh=mesh)
   chat = ChatTokens(load_tokenizer(path))
   sampler = Sampler(model, max_len=s.max_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id,

@@ -11,7 +11,6 @@ a training run first with `python -m rlver_jax.export`.
 """
 from __future__ import annotations
 
-
 from absl import app, flags
 from ml_collections import config_flags
 

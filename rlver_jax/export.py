@@ -11,7 +11,6 @@ result with `python -m rlver_jax.evaluate --config=configs/eval_sentient.py
 """
 from __future__ import annotations
 
-
 from absl import app, flags
 
 from rlver_jax import distributed

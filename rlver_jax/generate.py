@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
 
+from rlver_jax.build import check_context
 from rlver_jax.cli_errors import exit_on
 from rlver_jax.models import load_pretrained, storage
 from rlver_jax.models.presets import param_dtype_of
@@ -154,9 +155,7 @@ def _generate():
     ids = _prompt_ids(chat, _PROMPT.value, _SYSTEM.value, _CHAT.value)
     _check_prompt(ids)  # before the model loads
   model, _ = load_pretrained(checkpoint, dtype=param_dtype_of(_DTYPE.value))
-  trained = model.config.max_position_embeddings
-  if _MAX_LEN.value > trained:  # positions past it are out of distribution (no RoPE scaling here)
-    raise ValueError(f"--max_len={_MAX_LEN.value} exceeds the checkpoint's max_position_embeddings ({trained})")
+  check_context(model.config.max_position_embeddings, _MAX_LEN.value, "--max_len")
   sampler = Sampler(model, max_len=_MAX_LEN.value, stop_ids=chat.stop_ids, pad_id=chat.pad_id)
   params = nnx.state(model)
   rng = jax.random.key(_SEED.value)

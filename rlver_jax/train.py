@@ -123,7 +123,8 @@ class Trainer:
     self.state = state
     self.step = int(meta["step"])
     self.profile_sampler.load_state_dict(meta["profile_sampler"])
-    shards, saved = batch_shards(self.mesh), meta.get("batch_shards", batch_shards(self.mesh))
+    shards = batch_shards(self.mesh)
+    saved = meta.get("batch_shards", shards)  # checkpoints of older versions did not record it
     if shards != saved:  # e.g. mesh.fsdp=-1 on a different slice: training goes on, but differently
       logging.warning("step %d was trained with %d batch shards, this mesh has %d: each micro-batch "
                       "now holds rl.micro_batch_size x %d rows instead of x %d", self.step, saved,

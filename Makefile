@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_WORKERS ?= 2
 
-.PHONY: install embedded demo test bench clean
+.PHONY: install embedded demo demo-model test bench clean
 
 $(STAMP): setup.py requirements.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,10 +22,15 @@ install: $(STAMP)
 embedded: install
 	$(BIN)/python -m rlver_jax.models.embedded
 
-# CPU unless the caller sets JAX_PLATFORMS: the :runlocal run is CPU-sized, and an installed libtpu
-# would otherwise probe for a TPU first and print an error before falling back.
+# CPU unless the caller sets JAX_PLATFORMS: the demo is CPU-sized, and an installed libtpu would
+# otherwise probe for a TPU first and print an error before falling back.
+# demo: the embedded policy against the scripted user (configs/demo.py); demo-model: the same run
+# against the co-located model simulator (the path for a real simulator checkpoint).
 demo: embedded
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(BIN)/python -m rlver_jax.main --config=configs/grpo_think.py:runlocal
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(BIN)/python -m rlver_jax.main --config=configs/demo.py
+
+demo-model: embedded
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(BIN)/python -m rlver_jax.main --config=configs/demo.py:model
 
 test: install
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=15 tests

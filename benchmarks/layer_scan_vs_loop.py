@@ -43,7 +43,7 @@ def main():
   ck, cv = (jax.random.normal(jax.random.key(i), cache_shape, jnp.float32).astype(dtype) for i in (1, 2))
   tokens = jnp.arange(B, dtype=jnp.int32)[:, None] + 5
   positions = jnp.full((B, 1), W, jnp.int32)
-  masks = (jnp.ones((B, 1, W), bool), jnp.ones((B, 1, 1), bool))
+  masks = qwen2.BlockMask.over_cache_and_tokens(jnp.ones((B, 1, W), bool), jnp.ones((B, 1, 1), bool))
   block = functools.partial(qwen2._block, config=c, dtype=dtype)
 
   def next_tokens(h):

@@ -5,10 +5,14 @@ simulator, both appending each turn's new tokens onto their kept KV caches. The 
 rollout runs the same code with both samplers swapped for `RePrefillSampler` (defined here, not in
 the package): it mirrors every row's tokens on the host and turns each `append` into a prefill of
 the row's whole history (the cache rows are emptied first), as a cache-less implementation would.
-Same seeds; after a warm-up rollout per variant (compiles), timed rollouts alternate.
+Same seeds; after a warm-up rollout per variant (compiles), timed rollouts alternate. The
+`cached+stops` variant (`--variants`) is `cached` with the on-device stop rules on: the simulator's
+decodes end after their change / reply line (`simulator.stop_at_lines`) and the policy's at
+"<|im_start|>" (`policy.stop_sequences`).
 
   python benchmarks/rollout_throughput.py [--dialogues 8] [--turns 4] [--policy-new 32] [--sim-new 48]
   python benchmarks/rollout_throughput.py --quick   # 2 dialogues x 2 turns
+  python benchmarks/rollout_throughput.py --variants cached,cached+stops   # with/without stop rules
 """
 from __future__ import annotations
 
@@ -99,7 +103,7 @@ def trainer_buckets() -> dict[str, tuple[int, ...]]:
 
 
 def make_samplers(kind: str, model, chat: ChatTokens, args):
-  cls = RePrefillSampler if kind == "re-prefill" else TimedSampler
+  cls = RePrefillSampler if kind.startswith("re-prefill") else TimedSampler
   buckets = trainer_buckets()
   policy = cls(model, max_len=args.policy_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
                append_buckets=buckets["policy"])
@@ -111,25 +115,28 @@ def make_samplers(kind: str, model, chat: ChatTokens, args):
 def rollout(kind: str, model, params, chat: ChatTokens, args, seed: int) -> dict:
   """One batch of dialogues; returns wall time, per-model seconds and token counts."""
   policy, sim = make_samplers(kind, model, chat, args)
+  stops = kind.endswith("+stops")
   backend = ModelBackend(sim, params, chat, max_new_tokens=args.sim_new,
-                         sampling=SamplingParams.make(0.7, 0.9, 0), seed=seed + 1)
+                         sampling=SamplingParams.make(0.7, 0.9, 0), seed=seed + 1, stop_at_lines=stops)
   profiles = (load_demo_profiles() * args.dialogues)[: args.dialogues]
   users = SimulatedUsers(profiles, backend, style="vanilla", start_emotion=30, max_turns=args.turns,
                          max_parse_retries=1)
-  cfg = RolloutConfig(think=args.think, max_new_tokens=args.policy_new, temperature=1.0)
+  cfg = RolloutConfig(think=args.think, max_new_tokens=args.policy_new, temperature=1.0,
+                      stop_sequences=("<|im_start|>",) if stops else ())
   stats = RolloutStats()
   t0, c0 = time.perf_counter(), _overhead()
   dialogues = run_dialogues(profiles, list(range(len(profiles))), users, sampler=policy, params=params,
                             chat=chat, cfg=cfg, rng=jax.random.key(seed), stats=stats)
   wall = time.perf_counter() - t0
   compile_s = _overhead() - c0
-  if kind == "re-prefill":  # the mirror is exactly what the package's backend says is cached
+  if kind.startswith("re-prefill"):  # the mirror is exactly what the package's backend says is cached
     assert all(sim.mirror[b] == backend.tokens[b] for b in range(len(profiles)))
   return dict(wall=wall - compile_s, compile_s=compile_s, turns=stats.policy_turns, policy_tokens=stats.policy_tokens,
               policy_s=policy.seconds, policy_in=policy.appended, sim_tokens=backend.generated_tokens,
               sim_s=sim.seconds, sim_in=sim.appended,
               sim_context=max(len(t) for t in backend.tokens),
-              turns_per_dialogue=float(np.mean([len(d.policy_replies) for d in dialogues])))
+              turns_per_dialogue=float(np.mean([len(d.policy_replies) for d in dialogues])),
+              parse_failures=sum(r.parse_failures for r in users.records))
 
 
 def main():
@@ -145,6 +152,8 @@ def main():
   ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                   help="skip the untimed warm-up rollout (compile time is subtracted either way)")
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--variants", default="cached,re-prefill",
+                  help="comma-separated: cached, re-prefill, cached+stops (on-device stop rules)")
   ap.add_argument("--quick", action="store_true",
                   help="2 dialogues x 2 turns (max_turns as in :runlocal), no warm-up: fits a slow CPU")
   args = ap.parse_args()
@@ -155,7 +164,10 @@ def main():
   chat = ChatTokens(load_tokenizer(path))
   model, _ = load_pretrained(path, dtype=jnp.float32)
   params = nnx.state(model)
-  kinds = ("cached", "re-prefill")
+  kinds = tuple(args.variants.split(","))
+  bad = [k for k in kinds if k not in ("cached", "re-prefill", "cached+stops")]
+  if bad:
+    raise SystemExit(f"--variants: unknown variant {bad[0]!r} (cached, re-prefill, cached+stops)")
   warm, runs = None, {k: [] for k in kinds}
   if args.warmup:  # compiles most programs (jit caches are shared by every Sampler of this model)
     COUNTER.reset()
@@ -195,22 +207,33 @@ def main():
   print(table(["variant", "wall s", "policy turns", "turns/s", "policy gen tok / its s",
                "policy tok/s", "sim gen tok / its s", "sim tok/s", "all gen tok/s (wall)",
                "tokens prefilled policy / sim"], rows))
-  c, p = res["cached"], res["re-prefill"]
+  for other in ("re-prefill", "cached+stops"):
+    if "cached" in res and other in res:
+      print()
+      print(ratio_table(res["cached"], res[other], other))
   print()
-  print(table(["ratio cached / re-prefill", "value"], [
+  print(table(["variant", "compiles in timed run", "compile+trace s subtracted",
+               "mean policy turns/dialogue", "longest simulator context (tokens)", "parse failures"],
+              [[k, res[k]["compiles"], f"{res[k]['compile_s']:.1f}", f"{res[k]['turns_per_dialogue']:.2f}",
+                res[k]["sim_context"], res[k]["parse_failures"]] for k in kinds]))
+  if warm:
+    print(f"\nWarm-up (cached, first in the process): {warm['wall'] + warm['compile_s']:.1f} s of which "
+          f"{warm['compile_s']:.1f} s compile + trace, {warm['compiles']} XLA programs.")
+
+
+def ratio_table(c: dict, p: dict, other: str) -> str:
+  """`cached` against another variant: > 1x means the other is slower."""
+  if other == "cached+stops":
+    c, p = p, c  # the stop rules' speed-up: stops / plain
+    head = "ratio cached+stops / cached"
+  else:
+    head = "ratio cached / re-prefill"
+  return table([head, "value"], [
       ["turns/s", f"{(c['turns'] / c['wall']) / (p['turns'] / p['wall']):.2f}x"],
       ["policy tok/s (its own time)", f"{(c['policy_tokens'] / c['policy_s']) / (p['policy_tokens'] / p['policy_s']):.2f}x"],
       ["simulator tok/s (its own time)", f"{(c['sim_tokens'] / c['sim_s']) / (p['sim_tokens'] / p['sim_s']):.2f}x"],
       ["wall time", f"{p['wall'] / c['wall']:.2f}x"],
-  ]))
-  print()
-  print(table(["variant", "compiles in timed run", "compile+trace s subtracted",
-               "mean policy turns/dialogue", "longest simulator context (tokens)"],
-              [[k, res[k]["compiles"], f"{res[k]['compile_s']:.1f}", f"{res[k]['turns_per_dialogue']:.2f}",
-                res[k]["sim_context"]] for k in kinds]))
-  if warm:
-    print(f"\nWarm-up (cached, first in the process): {warm['wall'] + warm['compile_s']:.1f} s of which "
-          f"{warm['compile_s']:.1f} s compile + trace, {warm['compiles']} XLA programs.")
+  ])
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from _common import CompileCounter, command_line, machine_info, median, table
 from rlver_jax.models import load_pretrained
 from rlver_jax.models.embedded import embedded_model_dir
 from rlver_jax.rl.update import LossConfig, OptimConfig, Updater, make_optimizer, token_logprobs_and_entropy
-from rlver_jax.shapes import SEQ_MULTIPLE, shape_bucket
+from rlver_jax.rl.batch import SEQ_MULTIPLE, UpdateBatch, shape_bucket
 
 RUN_FIELDS = ("rollout_seconds", "update_seconds", "rollout_fraction", "update_tokens_per_s",
               "rollout_policy_tokens_per_s", "policy_tokens", "samples", "turns_mean")
@@ -79,10 +79,10 @@ def bench_update(args) -> tuple[str, dict]:
 
   def one_step(params, opt):
     t0 = time.perf_counter()
-    batch = {k: jnp.asarray(v) for k, v in host.items()}
-    batch["old_logp"] = jax.block_until_ready(logp_fn(params, batch["tokens"], batch["segment_ids"]))
+    arrays = {k: jnp.asarray(v) for k, v in host.items()}
+    old_logp = jax.block_until_ready(logp_fn(params, arrays["tokens"], arrays["segment_ids"]))
     t1 = time.perf_counter()
-    params, opt, metrics = up.step(params, opt, batch)
+    params, opt, metrics = up.step(params, opt, UpdateBatch(**arrays, old_logp=old_logp))
     jax.block_until_ready((params, opt, metrics))
     return params, opt, t1 - t0, time.perf_counter() - t1
 

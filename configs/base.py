@@ -1,7 +1,9 @@
 """Shared RLVER training config; `grpo_think.py` and friends choose the algorithm and think mode.
 
 Arguments (after the config path, comma-separated): `runlocal` shrinks the run to a CPU machine on the
-embedded model and English demo profiles; `simulator=challenging` picks the simulator style.
+embedded model and English demo profiles; `simulator=challenging` picks the simulator style;
+`reference` sets every behaviour of the RLVER reference implementation that this project's defaults
+change on purpose (and that is not one of its defects): docs/REPRODUCING.md lists them.
 Every key the trainer reads is declared here; the config is locked, so a typo fails at once.
 """
 from __future__ import annotations
@@ -20,9 +22,12 @@ def parse_arg(arg: str | None) -> dict[str, str]:
       continue
     key, _, value = part.partition("=")
     out[key] = value or "true"
-  unknown = set(out) - {"runlocal", "simulator"}
+  unknown = set(out) - {"runlocal", "simulator", "reference"}
   if unknown:
-    raise ValueError(f"unknown config argument(s) {sorted(unknown)}; known: runlocal, simulator=STYLE")
+    raise ValueError(f"unknown config argument(s) {sorted(unknown)}; known: runlocal, "
+                     "simulator=STYLE, reference")
+  if out.get("reference", "true") != "true":
+    raise ValueError(f"reference={out['reference']}: the argument takes no value")
   return out
 
 
@@ -52,6 +57,9 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.policy.top_p = 1.0
   c.policy.top_k = 0
   c.policy.language = ""             # system prompt language; "" = each profile's own
+  # Strings that end a policy turn inside the decode loop besides <|im_end|> (e.g. "<|im_start|>"
+  # for a model that opens the next turn itself); () = none.
+  c.policy.stop_sequences = ()
 
   c.critic = ml_collections.ConfigDict()
   c.critic.checkpoint = ""           # "" = initialise from the policy checkpoint + a zero value head
@@ -70,14 +78,36 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.simulator.top_p = 0.9
   c.simulator.top_k = 0
   c.simulator.start_emotion = 30
-  c.simulator.max_turns = 8
+  # Policy replies per dialogue. The reference's limit of 8 is checked after the user's reply, so its
+  # training dialogues hold 9 policy replies; this counts them directly.
+  c.simulator.max_turns = 9
+  c.simulator.end_below = 1          # a dialogue ends when the emotion falls below this (1: at 0)
+  c.simulator.clamp_change = True    # each stated change limited to [-10, 10] (as the benchmark)
+  c.simulator.score_guidance = False  # no "+3 to +10 for a good reply" scale (the reference has none)
+  # What the simulator's steps see of each other: "chat" = one growing chat (every later step sees
+  # the earlier analyses and plans); "reference" = the reference's: the emotion step sees a clean
+  # transcript, the reply step only the fit/feeling notes and the state label (rlver_jax/env/info_flow.py).
+  c.simulator.info_flow = "chat"
+  # "sampled": the change the simulator wrote; "expected": the mean of its own distribution over
+  # -10..+10 where it wrote the value (model backend only; emotions become floats; see
+  # rlver_jax/env/expected_change.py). The held-out evaluation keeps "sampled" (the benchmark's rule).
+  c.simulator.change_mode = "sampled"
   c.simulator.max_parse_retries = 2  # re-asks of an unreadable change line and of a missing reply line
   c.simulator.http_base_url = ""
   c.simulator.http_model = ""
   c.simulator.http_api_key_env = "OPENAI_API_KEY"
-  c.simulator.http_timeout_s = 120.0
+  c.simulator.http_timeout_s = 120.0     # per connect / read
+  c.simulator.http_deadline_s = 300.0    # per attempt, connect to last byte (a trickling server)
   c.simulator.http_max_attempts = 4
   c.simulator.http_max_concurrency = 8
+  # A dialogue whose simulator request fails within its attempts ends as simulator_error (not
+  # trained); a step with a larger share of those stops the run (after saving the last step).
+  c.simulator.max_failed_share = 0.5
+  # Model backend: end each decode on device right after its change line (emotion step) or reply
+  # line (reply step, opening) instead of decoding the text after it (env/answer_stops.py). Off:
+  # the parser reads the last label of a whole answer, so a model writing more labelled lines
+  # after the first could get another result.
+  c.simulator.stop_at_lines = False
 
   c.data = ml_collections.ConfigDict()
   c.data.profiles = "gs://YOUR_BUCKET/data/train_profile.jsonl"
@@ -86,10 +116,29 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.rl = ml_collections.ConfigDict()
   c.rl.profiles_per_step = 32
   c.rl.group_size = 4 if algo == "grpo" else 1
+  # A group's dialogues are copies of one state after the opening (the reference clones them), so
+  # they share the user's first line and the group baseline compares replies to the same opening.
+  c.rl.shared_opening = True
+  # Their identical prefix (policy: system prompt + opening; simulator: persona, background, opening)
+  # is computed once and its KV rows copied; False prefills it for every member (same tokens).
+  c.rl.share_prefix = True
   c.rl.epochs = 1
-  c.rl.mini_batches = 1
+  # Mini-batches counted in rows, like the reference: -1 = one step's dialogues (profiles_per_step x
+  # group_size); in think mode every policy turn is a row, so a step makes about one optimizer update
+  # per turn. 0 = a fixed count of rl.mini_batches per step instead.
+  c.rl.mini_batch_rows = -1
+  c.rl.mini_batches = 1              # used when rl.mini_batch_rows = 0
   c.rl.micro_batch_size = 4          # rows per batch shard (data x fsdp device); x shards = global
   c.rl.grpo_mean_only = False        # Dr.GRPO: no division by the group std
+  # GRPO only. Dynamic sampling (DAPO): drop groups whose advantages are all 0 and roll out up to
+  # dynamic_sampling_max_rounds more rounds of profiles_per_step groups to refill the batch; slots
+  # still empty are filled with dropped groups at zero loss weight (the batch keeps its shape).
+  c.rl.dynamic_sampling = False
+  c.rl.dynamic_sampling_max_rounds = 2
+  # GRPO only: "none" (the final reward on every turn), or each turn's return-to-go of emotion
+  # changes normalised over the group's dialogues at the same turn ("turn_index") or over all of
+  # the group's turns ("all_turns"); see rlver_jax/rl/turn_credit.py.
+  c.rl.turn_credit = "none"
   c.rl.gamma = 1.0
   c.rl.lam = 1.0
   c.rl.whiten_advantages = True
@@ -105,13 +154,26 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.rl.kl_coef = 0.0                 # no reference model, as in the paper
   c.rl.kl_kind = "k3"
   c.rl.kl_in_reward = False
-  c.rl.tis_cap = 0.0                 # truncated IS against sampler log-probs; 0 = off
+  # Policy-gradient loss: "ppo" (clipped surrogate; clip_high > clip_low is DAPO's clip-higher),
+  # "gspo" (sequence ratio, clipped per sequence; pair with loss_agg="seq-mean-token-mean" and the
+  # GSPO paper's clip range of 3e-4 / 4e-4), "cispo" (clipped ratio as a weight on logp).
+  c.rl.policy_loss = "ppo"
+  # Sampler/trainer mismatch correction: "none" | "token_tis" | "seq_tis" (truncated IS, capped at
+  # is_cap) | "token_mask" | "seq_mask" | "geo_mask" (drop tokens / samples whose ratio leaves
+  # [1/is_cap, is_cap]). mismatch/* metrics are logged every step, the drop shares at is_cap.
+  c.rl.is_correction = "none"
+  c.rl.is_cap = 2.0
+  c.rl.tis_cap = 0.0                 # older spelling: c > 0 = is_correction "token_tis", is_cap c
   c.rl.logits_chunk = 1024
 
   c.optim = ml_collections.ConfigDict()
   c.optim.actor_lr = 1e-6
   c.optim.critic_lr = 5e-6
-  c.optim.warmup_steps = 10          # optimizer updates (epochs x mini_batches per RL step), not RL steps
+  # Linear warm-up from 0, then constant. Counted in optimizer updates (epochs x mini-batches per RL
+  # step) or, as the reference does (its scheduler steps once per RL step), in RL steps.
+  c.optim.warmup_unit = "updates"    # "updates" | "steps"
+  c.optim.warmup_steps = 10          # actor
+  c.optim.critic_warmup_steps = 10
   c.optim.b1 = 0.9
   c.optim.b2 = 0.999
   c.optim.weight_decay = 0.01
@@ -125,12 +187,19 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 10
   c.checkpoint.keep = 3
+  # SIGTERM: the last finished step is saved at once; its commit is awaited this long (a TPU VM's
+  # preemption notice gives ~30 s), then the run exits either way (an older checkpoint is intact).
+  c.checkpoint.preempt_deadline_s = 25.0
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 50            # 0 = never
   c.eval.num_profiles = 20
   c.eval.start_emotion = 40
   c.eval.max_turns = 9              # policy replies: the opening + 9 replies = up to 10 user lines
+  c.eval.end_below = 10              # the benchmark ends a dialogue in state F (emotion < 10)
+  # The policy's system prompt in the held-out evaluation: "chat_partner" (a generic one, like the
+  # benchmark's) or "training" (the one it is trained with).
+  c.eval.policy_prompt = "chat_partner"
   # Policy sampling during held-out evaluation: the same as configs/eval_sentient.py (Qwen2.5-Instruct's
   # generation_config), so eval/score is comparable with `rlver_jax.evaluate`, not rollout sampling.
   c.eval.temperature = 0.7
@@ -141,10 +210,33 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.log.transcripts_every = 10
   c.log.progress_bar = True
 
-  if "runlocal" in args:
+  if "reference" in args:
+    _reference(c)
+  if "runlocal" in args:  # after :reference, so a CPU-sized run keeps its small shapes
     _runlocal(c)
   c.lock()
   return c
+
+
+# Keys `:reference` changes, with the reference's values; the defaults above keep this project's
+# choice for each (docs/REPRODUCING.md says why). The other reference behaviours are the defaults.
+REFERENCE_VALUES = {
+    "policy.max_new_tokens": 5000,    # the reference's per-turn cap
+    "policy.max_context": 16384,      # room for a 5,000-token turn after a long history
+    "simulator.clamp_change": False,  # its training path reads the change unclamped
+    "simulator.info_flow": "reference",  # a clean transcript; the reply step sees no analysis number
+    "data.num_holdout": 0,            # it trains on all 500 profiles ...
+    "eval.every_steps": 0,            # ... and evaluates on the Sentient set afterwards
+    "optim.warmup_unit": "steps",     # its scheduler steps once per RL step ...
+    "optim.warmup_steps": 20,         # ... 20 of them for the actor
+    "optim.critic_warmup_steps": 50,  # ... and 50 for the critic
+}
+
+
+def _reference(c: ml_collections.ConfigDict) -> None:
+  for key, value in REFERENCE_VALUES.items():
+    section, leaf = key.split(".")
+    c[section][leaf] = value
 
 
 def _runlocal(c: ml_collections.ConfigDict) -> None:
@@ -171,6 +263,7 @@ def _runlocal(c: ml_collections.ConfigDict) -> None:
   c.optim.actor_lr = 1e-5
   c.optim.critic_lr = 5e-5
   c.optim.warmup_steps = 0
+  c.optim.critic_warmup_steps = 0
   c.checkpoint.every_steps = 2
   c.eval.every_steps = 0
   c.eval.num_profiles = 2

@@ -15,7 +15,7 @@ Turn budget: `eval.max_turns` counts policy replies, each followed by one scored
 benchmark allows up to 10 user utterances: the opening plus one after each of 9 policy replies, so
 9 scored updates (max_turns = 9). The 10th user utterance, after the last update, is not generated:
 no policy reply follows it and it cannot change the score. Dialogues also end earlier on a goodbye,
-at emotion 0 or at emotion 100.
+below emotion 10 (state F, `eval.end_below`) or at emotion 100.
 
 Every setting that changes results is an explicit value below: policy and simulator sampling, the
 start emotion, the turn budget, the simulator style and the prompts' language (profiles' own).
@@ -78,10 +78,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.simulator.top_p = 0.9
   c.simulator.top_k = 0
   c.simulator.max_parse_retries = 2
+  c.simulator.clamp_change = True    # the benchmark limits each change to [-10, 10]
+  c.simulator.score_guidance = False  # no points scale in the prompt (the reference states none)
+  c.simulator.info_flow = "chat"     # "reference": the benchmark's (see configs/base.py)
+  c.simulator.change_mode = "sampled"  # "expected": the simulator's mean change (model backend only)
   c.simulator.http_base_url = ""
   c.simulator.http_model = ""
   c.simulator.http_api_key_env = "OPENAI_API_KEY"
-  c.simulator.http_timeout_s = 120.0
+  c.simulator.http_timeout_s = 120.0     # per connect / read
+  c.simulator.http_deadline_s = 300.0    # per attempt, connect to last byte (a trickling server)
   c.simulator.http_max_attempts = 4
   c.simulator.http_max_concurrency = 8
 
@@ -92,6 +97,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.num_profiles = 0            # the first N profiles of the file; 0 = all
   c.eval.start_emotion = 40
   c.eval.max_turns = 9               # policy replies = scored emotion updates (see the docstring)
+  c.eval.end_below = 10              # the benchmark's failure state F ends a dialogue
+  # "chat_partner": a generic prompt, as the benchmark evaluates; "training": the training prompt.
+  c.eval.policy_prompt = "chat_partner"
   c.eval.batch_size = 32             # dialogues run together
 
   c.mesh = ml_collections.ConfigDict()

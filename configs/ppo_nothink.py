@@ -6,6 +6,7 @@ Launch (TPU pod slice; every worker runs the same command):
     --config.simulator.checkpoint=gs://BUCKET/models/Qwen2.5-72B-Instruct \
     --config.data.profiles=gs://BUCKET/data/train_profile.jsonl
 Challenging simulator: --config=configs/ppo_nothink.py:simulator=challenging
+The reference implementation's behaviours (docs/REPRODUCING.md): `:reference`, e.g. `:reference,runlocal`.
 On a CPU machine with the embedded model: python -m rlver_jax.main --config=configs/ppo_nothink.py:runlocal
 """
 import os

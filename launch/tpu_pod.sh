@@ -41,7 +41,9 @@ subcommands:
             ~/rlver_jax, create ~/rlver_jax/.venv, pip install -e '.[tpu]'
   run       on every worker: start COMMAND (the words after --) in the
             background with nohup, inside ~/rlver_jax with the venv active;
-            output goes to --log, the pid to ~/rlver_jax/run.pid
+            output goes to --log, the pid to ~/rlver_jax/run.pid; when
+            COMMAND exits with 75 (the trainer was preempted by a SIGTERM
+            that did not come from stop) it is started again
   logs      follow the log of worker 0 (tail -F; Ctrl-C to leave)
   stop      on every worker: SIGTERM the job started by run (its whole
             process group) and wait up to ${STOP_WAIT_S}s for it to exit
@@ -240,6 +242,11 @@ flat() {
 readonly ALIVE_FN='alive() { local s; s=$(ps -o stat= -p "$1" 2>/dev/null) || return 1; case $s in *Z*) return 1 ;; esac; };'
 # Turns $log (~/..., absolute, or relative to ~/rlver_jax) into an absolute path.
 # shellcheck disable=SC2016
+# The job runs under a loop that starts it again when it exits with 75, the trainer's "preempted,
+# run the same command to resume" status, unless the loop itself got SIGTERM (stop, or the VM
+# shutting down): the trap only runs once the job has exited, so stop still waits for its save.
+# shellcheck disable=SC2016
+readonly RETRY_LOOP_LINE='retry_loop='"'"'stopped=0; trap "stopped=1" TERM; while :; do "$@"; rc=$?; if [ "$rc" -ne 75 ] || [ "$stopped" -eq 1 ]; then exit "$rc"; fi; echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) exit 75 (preempted): running the same command again"; done'"'"';'
 readonly LOG_PATH_LINE='case $log in "~/"*) log="$HOME/${log#"~/"}" ;; /*) ;; *) log="$HOME/rlver_jax/$log" ;; esac;'
 
 # install REPO REF PYTHON: clone or update ~/rlver_jax at REF, make its venv,
@@ -300,7 +307,7 @@ ${ALIVE_FN}
 "'log=$1; shift;
 cd "$HOME/rlver_jax";
 host=$(hostname);
-'"${LOG_PATH_LINE}"'
+'"${LOG_PATH_LINE}${RETRY_LOOP_LINE}"'
 if [ -s run.pid ] && alive "$(cat run.pid)"; then
   echo "$host: a job is already running (pid $(cat run.pid)); stop it first" >&2;
   exit 1;
@@ -312,7 +319,7 @@ fi;
 . .venv/bin/activate;
 mkdir -p "$(dirname "$log")";
 echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) $host: $*" >>"$log";
-setsid nohup "$@" >>"$log" 2>&1 </dev/null &
+setsid nohup bash -c "$retry_loop" rlver_retry "$@" >>"$log" 2>&1 </dev/null &
 echo $! >run.pid;
 echo "$host: started pid $!, log $log";
 '

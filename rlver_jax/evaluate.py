@@ -14,9 +14,9 @@ from __future__ import annotations
 from absl import app, flags
 from ml_collections import config_flags
 
-from rlver_jax import distributed
-from rlver_jax.cli_errors import exit_on
-from rlver_jax.run_config import parse_flags
+from rlver_jax.parallel import distributed
+from rlver_jax.cli.errors import exit_on
+from rlver_jax.cli.flags import parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/eval_sentient.py.",
                                           lock_config=True)
@@ -28,11 +28,12 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   distributed.initialize()
-  from rlver_jax import eval_run  # after distributed init: imports may touch devices
+  from rlver_jax.evaluation import sentient  # after distributed init: imports may touch devices
+  from rlver_jax.spec import EvaluationSpec
   from rlver_jax.env.backends import SimulatorBackendError
-  from rlver_jax.process_zero import ProcessZeroError
+  from rlver_jax.parallel.process_zero import ProcessZeroError
   try:
-    summary, paths = eval_run.run(_CONFIG.value, _WORKDIR.value)
+    summary, paths = sentient.run(EvaluationSpec.from_config(_CONFIG.value), _WORKDIR.value)
   # Bad input, an unwritable workdir, or a simulator that cannot answer within its retry bound (on
   # any host): one line, non-zero exit.
   except (ValueError, OSError, SimulatorBackendError, ProcessZeroError) as e:

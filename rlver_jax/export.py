@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from rlver_jax import distributed
-from rlver_jax.cli_errors import exit_on
+from rlver_jax.parallel import distributed
+from rlver_jax.cli.errors import exit_on
+from rlver_jax.cli.flags import parse_flags
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory (local or gs://).")
 _OUT = flags.DEFINE_string("out", None, "Output HF checkpoint directory (local or gs://).")
@@ -29,8 +30,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   distributed.initialize()
-  from rlver_jax import trained_policy  # after distributed init, as in main.py
-  from rlver_jax.process_zero import ProcessZeroError
+  from rlver_jax.run import trained_policy  # after distributed init, as in main.py
+  from rlver_jax.parallel.process_zero import ProcessZeroError
   try:
     step = trained_policy.export(_WORKDIR.value, _OUT.value, step=_STEP.value,
                                  overwrite=_OVERWRITE.value, dtype=_DTYPE.value)
@@ -40,4 +41,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

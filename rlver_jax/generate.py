@@ -18,10 +18,12 @@ from absl import app, flags
 from flax import nnx
 
 from rlver_jax.build import check_context
-from rlver_jax.cli_errors import exit_on
-from rlver_jax.models import load_pretrained, storage
+from rlver_jax.cli.errors import exit_on
+from rlver_jax.models import load_pretrained
+from rlver_jax.models.io import storage
 from rlver_jax.models.presets import param_dtype_of
 from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
+from rlver_jax.cli.flags import parse_flags
 from rlver_jax.sampling.sampler import Sampler
 from rlver_jax.sampling.strategies import SamplingParams
 
@@ -115,6 +117,8 @@ def _check_flags() -> SamplingParams:
         raise ValueError(f"--{name} cannot be used with --interactive")
   elif _PROMPT.value is None:
     raise ValueError("--prompt is required (or use --interactive)")
+  elif _CHAT.value and not _PROMPT.value.strip():  # the template alone is no user turn
+    raise ValueError("--prompt is empty: --chat needs a user turn to answer")
   if _SYSTEM.value is not None and not (_CHAT.value or _INTERACTIVE.value):
     raise ValueError("--system needs --chat (or --interactive): a plain prompt has no system turn")
   for name, flag, low in (("max_new_tokens", _MAX_NEW, 1), ("batch_size", _BATCH, 1), ("max_len", _MAX_LEN, 2)):
@@ -180,4 +184,4 @@ def _generate():
 
 if __name__ == "__main__":
   jax.config.update("jax_platforms", jax.config.jax_platforms or "")
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -4,20 +4,39 @@ r"""Train a policy with RLVER.
 
 Re-running the same command resumes from WORKDIR/checkpoints. Config values are overridden with
 --config.KEY=VALUE (see configs/base.py for every key).
+
+Exit status: 0 finished; 75 preempted (SIGTERM: the last finished step was saved, run the same
+command to resume); 1 an error, named in one line.
 """
 from __future__ import annotations
 
-import datetime
 import os
+import signal
+import sys
 
-import jax
-from absl import app, flags
-from ml_collections import config_flags
 
-from rlver_jax import distributed
-from rlver_jax.cli_errors import exit_on
-from rlver_jax.files import new_run_dir
-from rlver_jax.run_config import parse_flags
+def _preempted_while_starting(*_):
+  sys.stderr.write("preempted while starting; run the same command to resume\n")
+  sys.stderr.flush()
+  # os._exit, not sys.exit: the handler runs inside whatever import is under way, and a SystemExit
+  # raised there can be caught by it (a run went on training after this line). Nothing to save yet.
+  os._exit(75)  # preemption.PREEMPTED_EXIT (that module imports jax, which is what takes time here)
+
+
+if __name__ == "__main__":  # until the trainer's own handler takes over: nothing to save yet
+  signal.signal(signal.SIGTERM, _preempted_while_starting)
+
+import datetime  # noqa: E402
+
+import jax  # noqa: E402
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from rlver_jax.parallel import distributed  # noqa: E402
+from rlver_jax.cli.errors import exit_on  # noqa: E402
+from rlver_jax.run.workdir import check_workdir, new_run_dir  # noqa: E402
+from rlver_jax.train.preemption import PREEMPTED_EXIT, preempted_line  # noqa: E402
+from rlver_jax.cli.flags import parse_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/grpo_think.py.",
                                           lock_config=True)
@@ -48,25 +67,37 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   distributed.initialize()
-  from rlver_jax import train  # after distributed init: imports may touch devices
+  from rlver_jax.train import loop  # after distributed init: imports may touch devices
+  from rlver_jax.spec import RunSpec
   from rlver_jax.env.backends import SimulatorBackendError
-  from rlver_jax.process_zero import ProcessZeroError
-  from rlver_jax.models import storage
+  from rlver_jax.parallel.process_zero import ProcessZeroError
+  from rlver_jax.models.io import storage
   storage.point_clients_at_emulator()
   workdir = _WORKDIR.value or _default_workdir()
   try:
-    paths = train.run(_CONFIG.value, workdir)
+    check_workdir(workdir)  # before any model loads
+    spec = RunSpec.from_config(_CONFIG.value)  # checks every setting, also those used late
+    paths = loop.run(spec, workdir)
   # Bad input, an unwritable workdir, a simulator that cannot answer within its retry bound (on any
   # host), or a diverged update: one line, non-zero exit (--verbosity=1 logs the traceback).
-  except (ValueError, OSError, SimulatorBackendError, ProcessZeroError, train.TrainingDiverged) as e:
+  except (ValueError, OSError, SimulatorBackendError, ProcessZeroError, loop.TrainingDiverged) as e:
     if not _WORKDIR.value:
       _remove_if_empty(workdir)
     exit_on(e)
-  if jax.process_index() != 0:  # one summary per run, not one per host
-    return
-  print(f"\nrun finished at step {paths.pop('step')}; outputs under {workdir}:")
-  for k, v in paths.items():
-    print(f"  {k:12s} {v}")
+  step, outcome = paths.pop("step"), paths.pop("outcome")
+  from rlver_jax.run.metrics import MetricsWriter
+  from rlver_jax.train.summary import summary_lines
+  history = MetricsWriter(workdir, tensorboard=False).history()  # on every host: its set-up is collective
+  if jax.process_index() == 0:  # one summary per run, not one per host
+    print(f"\nrun {outcome} at step {step}; outputs under {workdir}:")
+    for line in summary_lines(history, paths):
+      print(f"  {line}")
+    print(f"  metrics:      {paths['metrics']}")
+    print(f"  checkpoints:  {paths['checkpoints']}")
+  if outcome == "preempted":  # a status of its own: a retry loop re-runs the command on it
+    if jax.process_index() == 0:
+      print(preempted_line(int(step), spec.total_steps), file=sys.stderr, flush=True)
+    sys.exit(PREEMPTED_EXIT)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,14 @@ import pathlib
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import sys  # noqa: E402
+
 import pytest  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+# Shared helpers (the tiny world, the GCS emulator, HF checkpoint builders) live in tests/fixtures;
+# tests in every folder import them by module name.
+sys.path.insert(0, str(REPO / "tests" / "fixtures"))
 SHARED = REPO.parent / "shared"
 
 

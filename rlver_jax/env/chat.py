@@ -9,7 +9,8 @@ import re
 _PROMPTS: dict[tuple[bool, str], str] = {
     (True, "en"): (
         "You are chatting with someone who has come to you because something is on their mind. "
-        "Your aim is that, as the conversation goes on, they feel better and closer to you.\n\n"
+        "What you hope for is that, bit by bit, they relax, feel understood and come to trust "
+        "you enough to open up.\n\n"
         "Before each reply, think it over between <think> and </think>: what this person really "
         "wants from the talk, how they feel right now, and what you will say and in what manner. "
         "After </think>, write only the message they will read.\n\n"
@@ -18,30 +19,43 @@ _PROMPTS: dict[tuple[bool, str], str] = {
     ),
     (False, "en"): (
         "You are chatting with someone who has come to you because something is on their mind. "
-        "Your aim is to lift their mood and make them feel closer to you.\n\n"
+        "You hope they come away lighter in spirit and more willing to trust you and open up.\n\n"
         "Reply straight away with a short, warm, casual message, the way a good friend would "
         "text back. Do not write out any reasoning, do not use lists or headings, and do not "
         "add tags or a speaker name."
     ),
     (True, "zh"): (
-        "你正在和一位有心事、想找人聊聊的朋友对话。你的目标是让对方在聊天过程中心情慢慢变好，"
-        "也和你更亲近。\n\n"
+        "你正在和一位有心事、想找人聊聊的朋友对话。你希望通过这次交谈，对方能一点点放松下来、舒服起来，"
+        "也越来越愿意信任你、跟你说心里话。\n\n"
         "每次回复之前，先在<think>和</think>之间想一想：对方这次聊天真正想要的是什么，此刻是什么感受，"
         "你准备说些什么、用什么方式说。</think>之后只写对方会看到的那条消息。\n\n"
         "这条消息要温暖、随意、自然，像好朋友回微信一样口语化：不说教，不用列表或标题，也不要太长。"
     ),
     (False, "zh"): (
-        "你正在和一位有心事、想找人聊聊的朋友对话。你的目标是让对方心情变好，也和你更亲近。\n\n"
+        "你正在和一位有心事、想找人聊聊的朋友对话。你希望对方聊完以后心里轻松一些，也更愿意信任你、对你敞开。\n\n"
         "请直接回复一条简短、温暖、随意的消息，像好朋友回微信那样自然口语化。"
         "不要写出思考过程，不要用列表或标题，也不要加任何标签或说话人前缀。"
     ),
 }
 
 
-def policy_system_prompt(think: bool, language: str) -> str:
-  """The policy's system prompt for think / no-think mode in "en" or "zh"."""
+# A plain chat-partner prompt with no goal and no format, as the benchmark evaluates policies (its
+# exact wording is not ours to copy; this one is written for this project).
+_CHAT_PARTNER = {
+    "en": "You are talking with another person. Chat with them the way you naturally would.",
+    "zh": "你正在和另一个人聊天，像平常那样自然地和对方交谈。",
+}
+SYSTEM_PROMPTS = ("training", "chat_partner")
+
+
+def policy_system_prompt(think: bool, language: str, kind: str = "training") -> str:
+  """The policy's system prompt in "en" or "zh": "training" (think / no-think, the goal and the
+  reply style) or "chat_partner" (the benchmark's kind of generic prompt; `think` is ignored)."""
+  if kind not in SYSTEM_PROMPTS:
+    raise ValueError(f"unknown policy system prompt {kind!r}; expected one of {SYSTEM_PROMPTS}")
+  table = _PROMPTS if kind == "training" else {(bool(think), k): v for k, v in _CHAT_PARTNER.items()}
   try:
-    return _PROMPTS[(bool(think), language)]
+    return table[(bool(think), language)]
   except KeyError:
     raise ValueError(f"unsupported language {language!r}; expected 'en' or 'zh'") from None
 

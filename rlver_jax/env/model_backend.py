@@ -2,27 +2,42 @@
 
 All live dialogues are generated as one batch. Each row keeps its KV cache across calls: a call
 appends only the row's new messages (ChatML fragments) plus an assistant header, then decodes. The
-simulator's context is therefore append-only and never re-prefilled.
+simulator's context is therefore append-only and never re-prefilled. `rewind` sets a row back to
+the end of one of its earlier messages (the reference information flow drops each step's private
+answers that way) and `prefill` appends messages without generating.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
+from rlver_jax.env.backends import Message
+
 import jax
 import numpy as np
 
+from rlver_jax.env.answer_stops import AnswerStops
 from rlver_jax.env.backends import HistoryBackend, SimRequest, SimulatorBackendError
+from rlver_jax.env.expected_change import ChangeScorer
 from rlver_jax.models.tokenizer import ChatTokens
 from rlver_jax.sampling.sampler import Sampler
 from rlver_jax.sampling.strategies import SamplingParams
+from rlver_jax.parallel.sharding import host_array
 
 
 class ModelBackend(HistoryBackend):
   """Simulated-user text from a local model; `generate` batches all requested rows."""
 
+  scores_changes = True  # its own distribution over the change values (expected_change)
+
   def __init__(self, sampler: Sampler, params, chat: ChatTokens, *, max_new_tokens: int,
-               sampling: SamplingParams, seed: int = 0):
+               sampling: SamplingParams, seed: int = 0, share_prefix: bool = True,
+               stop_at_lines: bool = False):
+    """`share_prefix`: `clone_rows` copies KV rows (True) or prefills the copied tokens again.
+    `stop_at_lines`: each answer's decode ends with its change / reply line (`answer_stops`)."""
     super().__init__()
+    self.stops = AnswerStops(chat, sampler.config.vocab_size) if stop_at_lines else None
+    self.share_prefix = share_prefix
+    self.prefill_tokens = 0  # tokens run through the model as input (not sampled), all calls
     self.sampler = sampler
     self.params = params
     self.chat = chat
@@ -34,7 +49,12 @@ class ModelBackend(HistoryBackend):
     self.closed: list[bool] = []  # per row: whether the last generated turn ended with <|im_end|>
     self.tokens: list[list[int]] = []  # per row: every token id in its cache, in order
     self.full: list[bool] = []  # per row: a request did not fit; the row answers "" from then on
+    self.answered: list[bool] = []  # per row: it ends in a generated answer, closed by the next call
+    # Per row: message count -> cached tokens where that many messages end (rewind targets).
+    self.ends: list[dict[int, int]] = []
+    self.answers: list[tuple[int, int]] = []  # per row: (start, end) of its last answer in `tokens`
     self.generated_tokens = 0
+    self._changes = ChangeScorer(chat)
 
   def reset(self, num_rows: int) -> None:
     super().reset(num_rows)
@@ -47,21 +67,90 @@ class ModelBackend(HistoryBackend):
     self.closed = [True] * num_rows
     self.tokens = [[] for _ in range(num_rows)]
     self.full = [False] * num_rows
+    self.answered = [False] * num_rows
+    self.ends = [{} for _ in range(num_rows)]
+    self.answers = [(0, 0)] * num_rows
 
   def is_full(self, row: int) -> bool:
     return self.full[row]
+
+  def clone_rows(self, sources: dict[int, int]) -> None:
+    """Copies the rows' contexts and KV cache rows: the copies' shared prefix is computed once."""
+    super().clone_rows(sources)
+    if self.share_prefix:
+      self.cache, self.logits = self.sampler.copy_rows(self.cache, self.logits, sources)
+    else:  # the same tokens, computed again for each copy
+      rows = [[] for _ in range(self.cache.batch_size)]
+      lengths = host_array(self.cache.lengths).copy()
+      for dst, src in sources.items():
+        rows[dst], lengths[dst] = self.tokens[src], 0
+        self.prefill_tokens += len(rows[dst])
+      self.cache = self.cache.with_lengths(lengths)
+      self.cache, self.logits = self.sampler.append(self.params, self.cache, rows, self.logits)
+    for dst, src in sources.items():
+      self.tokens[dst] = list(self.tokens[src])
+      self.closed[dst], self.full[dst] = self.closed[src], self.full[src]
+      self.answered[dst], self.ends[dst] = self.answered[src], dict(self.ends[src])
+      self.answers[dst] = self.answers[src]
 
   def reseed(self, key: jax.Array) -> None:
     """Sets the sampling key; the trainer derives it from the run's state so a resume repeats it."""
     self.rng = key
 
-  def _tokens_for(self, r: SimRequest) -> list[int]:
+  def _message_tokens(self, row: int, messages: Sequence[Message]) -> tuple[list[int], dict[int, int]]:
+    """The tokens that append `messages` (already in the row's history) to the row: the last answer's
+    close, then each message; and where each message ends, as offsets into those tokens."""
     ids: list[int] = []
-    if len(self._histories[r.row]) > len(r.new_messages):  # not the first call: close the last turn
-      ids += ([] if self.closed[r.row] else [self.chat.im_end]) + self.chat.encode("\n")
-    for m in r.new_messages:
+    if self.answered[row]:  # close the last generated turn
+      ids += ([] if self.closed[row] else [self.chat.im_end]) + self.chat.encode("\n")
+    before = len(self._histories[row]) - len(messages)
+    ends = {before: len(ids)}
+    for i, m in enumerate(messages):
       ids += self.chat.message(m["role"], m["content"])
-    return ids + self.chat.generation_header()
+      ends[before + i + 1] = len(ids)
+    return ids, ends
+
+  def _take(self, row: int, ids: list[int], ends: dict[int, int]) -> None:
+    """Records `ids` as appended to the row (the caller writes them to the cache)."""
+    self.ends[row].update({n: len(self.tokens[row]) + at for n, at in ends.items()})
+    self.tokens[row] += ids
+    self.prefill_tokens += len(ids)
+
+  def _fits(self, row: int, ids: list[int]) -> bool:
+    """Whether `ids` and a whole answer after them fit in the row's cache."""
+    return not self.full[row] and len(self.tokens[row]) + len(ids) + self.max_new_tokens <= self.sampler.max_len
+
+  def prefill(self, messages: dict[int, Sequence[Message]]) -> None:
+    """Appends the messages to the rows' caches without generating; a row they do not fit (with room
+    for an answer) is full from now on."""
+    super().prefill(messages)
+    rows = [[] for _ in range(self.cache.batch_size)]
+    for row, new in messages.items():
+      ids, ends = self._message_tokens(row, new)
+      if not self._fits(row, ids):
+        self.full[row] = True
+        continue
+      rows[row] = ids
+      self._take(row, ids, ends)
+      self.answered[row] = False
+    if any(rows):
+      self.cache, self.logits = self.sampler.append(self.params, self.cache, rows, self.logits)
+
+  def rewind(self, keep: dict[int, int]) -> None:
+    """Sets each row back to where its first `keep[row]` messages end (its cache length, tokens and
+    history); the slots after it are overwritten by the next append."""
+    for row, n in keep.items():
+      if n not in self.ends[row]:
+        raise ValueError(f"row {row}: cannot rewind to {n} messages: they do not end at a message "
+                         "boundary in its cache (inside a generated answer not yet closed, or unsent)")
+    super().rewind(keep)
+    lengths = host_array(self.cache.lengths).copy()
+    for row, n in keep.items():
+      lengths[row] = self.ends[row][n]
+      del self.tokens[row][lengths[row]:]
+      self.ends[row] = {m: at for m, at in self.ends[row].items() if m <= n}
+      self.answered[row], self.closed[row] = False, True
+    self.cache = self.cache.with_lengths(lengths)
 
   def generate(self, requests: Sequence[SimRequest]) -> list[str]:
     self._extend(requests)
@@ -69,10 +158,11 @@ class ModelBackend(HistoryBackend):
     rows = [[] for _ in range(B)]
     active = np.zeros(B, bool)
     for r in requests:
-      ids = self._tokens_for(r)
+      ids, ends = self._message_tokens(r.row, r.new_messages)
+      ids += self.chat.generation_header()
       # The new messages plus a whole answer must fit; a row that cannot is full from now on and its
       # dialogue ends (SimulatedUsers marks it context_full), like a policy row out of cache.
-      if self.full[r.row] or len(self.tokens[r.row]) + len(ids) + self.max_new_tokens > self.sampler.max_len:
+      if not self._fits(r.row, ids):
         if r.kind == "opening":
           raise SimulatorBackendError(
               f"the simulator's first prompt ({len(ids)} tokens) plus max_new_tokens="
@@ -80,15 +170,17 @@ class ModelBackend(HistoryBackend):
         self.full[r.row] = True
         continue
       rows[r.row] = ids
-      self.tokens[r.row] += ids
+      self._take(r.row, ids, ends)
       active[r.row] = True
     res = None
     if active.any():
       self.cache, self.logits = self.sampler.append(self.params, self.cache, rows, self.logits)
       self.rng, key = jax.random.split(self.rng)
+      rules = None if self.stops is None else self.stops.rules(
+          {r.row: r.kind for r in requests if active[r.row]}, B)
       res = self.sampler.decode(self.params, self.cache, self.logits, rng=key,
                                 max_new_tokens=self.max_new_tokens, sampling=self.sampling,
-                                active=active)
+                                active=active, stop_rules=rules)
       self.cache = res.cache
     out = []
     for r in requests:
@@ -97,11 +189,23 @@ class ModelBackend(HistoryBackend):
         out.append("")
         continue
       ids = res.row(r.row)
+      self.answers[r.row] = (len(self.tokens[r.row]), len(self.tokens[r.row]) + len(ids))
       self.tokens[r.row] += ids
-      # Only <|im_end|> closes a turn; one cut short or ended by <|endoftext|> gets it appended next.
+      # Only <|im_end|> closes a turn; one cut short, ended by a stop rule or by <|endoftext|> gets
+      # it appended next.
       self.closed[r.row] = ids[-1:] == [self.chat.im_end]
+      self.answered[r.row] = True
       self.generated_tokens += len(ids)
       text = self.chat.decode(ids, skip_special_tokens=True).strip()
       self._answer(r.row, text)
       out.append(text)
     return out
+
+  def expected_changes(self, value_offsets: dict[int, int]) -> dict[int, float]:
+    """Per row, the expected change at `value_offsets[row]`, a character offset into the text of
+    the row's last answer (see expected_change); the cache is left as it is."""
+    answers = {}
+    for row, offset in value_offsets.items():
+      start, end = self.answers[row]
+      answers[row] = (self.tokens[row][:end], start, offset)
+    return self._changes.expected(self.sampler, self.params, self.cache, answers)

@@ -97,6 +97,12 @@ def personality_key(profile: Profile | str) -> str:
 # --- Loading ------------------------------------------------------------------------------------
 
 DEMO_PROFILES: str = str(pathlib.Path(__file__).resolve().parent / "data" / "demo_profiles.jsonl")
+# The same 8 people, each only wanting to be heard (`listen_venting`): the scripted demo's users,
+# whose rules (short, listening replies; no advice) a 135M policy can find at T=1 within minutes.
+DEMO_VENTING_PROFILES: str = str(pathlib.Path(__file__).resolve().parent / "data" /
+                                 "demo_venting_profiles.jsonl")
+# Values of config.data.profiles that name a profile set shipped with the package.
+DEMO_PROFILE_SETS: dict[str, str] = {"demo": DEMO_PROFILES, "demo_venting": DEMO_VENTING_PROFILES}
 
 _REQUIRED_STR = ("id", "player", "scene", "main_cha", "task")
 

@@ -17,13 +17,15 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from rlver_jax.env.chat import parse_policy_output, policy_system_prompt
+from rlver_jax.env.answer_stops import sequence_stops
+from rlver_jax.env.chat import SYSTEM_PROMPTS, parse_policy_output, policy_system_prompt
 from rlver_jax.env.profiles import Profile
 from rlver_jax.env.simulator import SimulatedUsers
+from rlver_jax.env.user_state import SIMULATOR_ERROR, TurnResult, UserState
 from rlver_jax.models.tokenizer import ChatTokens
 from rlver_jax.sampling.sampler import Sampler
 from rlver_jax.sampling.strategies import SamplingParams
-from rlver_jax.sharding import host_array
+from rlver_jax.parallel.sharding import host_array
 
 REWARD_MODES = ("terminal", "per_turn")
 
@@ -39,10 +41,16 @@ class RolloutConfig:
   reward_mode: str = "terminal"  # "terminal": final emotion / 100; "per_turn": emotion deltas / 100
   format_penalty: bool = False   # think mode: reward 0 when any turn breaks the think format
   language: str | None = None    # policy system prompt language; None: each profile's own
+  system_prompt: str = "training"  # or "chat_partner" (chat.SYSTEM_PROMPTS)
+  share_prefix: bool = True      # rows of a group with the same opening prompt prefill it once
+  stop_sequences: tuple[str, ...] = ()  # strings that end a policy turn on device (answer_stops)
 
   def __post_init__(self):
     if self.reward_mode not in REWARD_MODES:
       raise ValueError(f"unknown reward_mode {self.reward_mode!r}; expected one of {REWARD_MODES}")
+    if self.system_prompt not in SYSTEM_PROMPTS:
+      raise ValueError(f"unknown system_prompt {self.system_prompt!r}; expected one of "
+                       f"{SYSTEM_PROMPTS}")
 
   @property
   def split_turns(self) -> bool:
@@ -79,6 +87,7 @@ class Dialogue:
   reward: float
   reply_failures: int = 0  # simulator answers without a usable reply line (each retry counted)
   silent_replies: int = 0  # user lines shown as silence: still no reply line after the retries
+  parsed: list[bool] = dataclasses.field(default_factory=list)  # per emotion step: change was read
 
   @property
   def final_emotion(self) -> int:
@@ -104,6 +113,7 @@ class Dialogue:
 
 @dataclasses.dataclass
 class _Row:
+  """The policy's side of one dialogue: its token context (what its cache holds) and its turns."""
   ctx: list[int]
   mask: list[int]
   logp: list[float]
@@ -114,11 +124,28 @@ class _Row:
   thoughts: list[str | None] = dataclasses.field(default_factory=list)
   format_ok: list[bool] = dataclasses.field(default_factory=list)
 
+  def extend(self, tokens: list[int], mask: int = 0, logp: list[float] | None = None) -> None:
+    """Appends tokens to the context: sampled ones (mask 1, their log-probs) or given ones."""
+    self.ctx += tokens
+    self.mask += [mask] * len(tokens)
+    self.logp += logp if logp is not None else [0.0] * len(tokens)
+
+
+@dataclasses.dataclass
+class _Turn:
+  """One policy turn's cache bookkeeping: per cache row, the length to go on from (rewound in
+  split-turn mode) and the tokens to append before the next decode."""
+  lengths: np.ndarray
+  appends: list[list[int]]
+  replies: list[str] = dataclasses.field(default_factory=list)  # the live rows' visible replies
+
 
 @dataclasses.dataclass
 class RolloutStats:
   policy_tokens: int = 0
   policy_turns: int = 0
+  policy_prefill_tokens: int = 0  # tokens the policy ran as input (prompts, user turns, replies)
+  simulator_prefill_tokens: int | None = None  # the same for a co-located simulator (set by the caller)
 
 
 class RolloutInterrupted(Exception):
@@ -134,108 +161,146 @@ def run_dialogues(profiles: Sequence[Profile], group_ids: Sequence[int], users: 
   `should_stop` is polled before each turn (on every host alike: it may be a collective); when it
   returns True, RolloutInterrupted is raised.
   """
-  stats = stats if stats is not None else RolloutStats()
-  B = len(profiles)
-  sampling = SamplingParams.make(cfg.temperature, cfg.top_p, cfg.top_k)
-  openings = users.opening()
-  rows: list[_Row] = []
-  for p, opening in zip(profiles, openings):
-    lang = cfg.language or p.language
-    ctx = chat.conversation([{"role": "system", "content": policy_system_prompt(cfg.think, lang)},
-                             {"role": "user", "content": opening}], add_generation_prompt=True)
-    # Room must remain for at least one sampled token and the closing <|im_end|>; else the policy's
-    # turn would be empty and the simulator would judge a reply nobody wrote.
-    if len(ctx) + 2 > sampler.max_len:
-      raise ValueError(f"dialogue {len(rows)} (profile {p.id}): the opening prompt is {len(ctx)} "
-                       f"tokens, leaving no room for a reply within policy.max_context="
-                       f"{sampler.max_len} (needs at least {len(ctx) + 2})")
-    rows.append(_Row(ctx=ctx, mask=[0] * len(ctx), logp=[0.0] * len(ctx)))
-  C = sampler.padded_rows(B)  # cache rows: B dialogues, then inactive rows up to a sharded batch
-  cache, logits = sampler.prefill(params, sampler.init_cache(C),
-                                  [r.ctx for r in rows] + [[]] * (C - B))
-
+  rollout = _Rollout(users, sampler, params, chat, cfg,
+                     stats if stats is not None else RolloutStats())
+  rollout.open(profiles, group_ids)
   while not users.done:
     if should_stop is not None and should_stop():
       raise RolloutInterrupted()
     live = users.live_rows()
+    rng, key = jax.random.split(rng)
+    turn = rollout.policy_turn(live, key)
+    rollout.user_turn(users.step(live, turn.replies), turn)
+    rollout.advance(turn)
+  return [_finish(b, rollout.rows[b], profiles[b], group_ids[b], users.records[b], cfg)
+          for b in range(len(profiles))]
+
+
+class _Rollout:
+  """The policy's half of a batched rollout: its rows, its KV cache and the phases of a turn.
+
+  The simulated users (`users`) own the dialogue state (emotions, rewards, endings); this side
+  only reads it, and ends a dialogue through `users.end` when the policy's context is full.
+  """
+
+  def __init__(self, users: SimulatedUsers, sampler: Sampler, params, chat: ChatTokens,
+               cfg: RolloutConfig, stats: RolloutStats):
+    self.users, self.sampler, self.params, self.chat = users, sampler, params, chat
+    self.cfg, self.stats = cfg, stats
+    self.sampling = SamplingParams.make(cfg.temperature, cfg.top_p, cfg.top_k)
+    self.rows: list[_Row] = []
+    self.cache = self.logits = None
+
+  def open(self, profiles: Sequence[Profile], group_ids: Sequence[int]) -> None:
+    """The users' openings, then each row's opening prompt prefilled (a group's rows with the same
+    prompt once, their KV rows copied)."""
+    openings = self.users.opening()
+    self.rows = [self._opening_row(b, p, line) for b, (p, line) in enumerate(zip(profiles, openings))]
+    B = len(self.rows)
+    C = self.sampler.padded_rows(B)  # cache rows: B dialogues, then inactive rows up to a sharded batch
+    first: dict = {}
+    copies = {b: first.setdefault((group_ids[b], tuple(r.ctx)), b) for b, r in enumerate(self.rows)}
+    copies = {b: a for b, a in copies.items() if a != b and self.cfg.share_prefix}
+    prompts = [[] if b in copies else r.ctx for b, r in enumerate(self.rows)] + [[]] * (C - B)
+    self.stats.policy_prefill_tokens += sum(len(p) for p in prompts)
+    cache, logits = self.sampler.prefill(self.params, self.sampler.init_cache(C), prompts)
+    self.cache, self.logits = self.sampler.copy_rows(cache, logits, copies)
+
+  def _opening_row(self, b: int, profile: Profile, opening: str) -> _Row:
+    lang = self.cfg.language or profile.language
+    system = policy_system_prompt(self.cfg.think, lang, self.cfg.system_prompt)
+    ctx = self.chat.conversation([{"role": "system", "content": system},
+                                  {"role": "user", "content": opening}], add_generation_prompt=True)
+    # Room must remain for at least one sampled token and the closing <|im_end|>; else the policy's
+    # turn would be empty and the simulator would judge a reply nobody wrote.
+    if len(ctx) + 2 > self.sampler.max_len:
+      raise ValueError(f"dialogue {b} (profile {profile.id}): the opening prompt is {len(ctx)} "
+                       f"tokens, leaving no room for a reply within policy.max_context="
+                       f"{self.sampler.max_len} (needs at least {len(ctx) + 2})")
+    return _Row(ctx=ctx, mask=[0] * len(ctx), logp=[0.0] * len(ctx))
+
+  def policy_turn(self, live: list[int], key: jax.Array) -> _Turn:
+    """Decodes one reply for every live row and records it."""
+    C = self.cache.batch_size
     active = np.zeros(C, bool)
     active[live] = True
-    rng, key = jax.random.split(rng)
     # One slot stays free so a reply cut by the cache can still be closed with <|im_end|>.
-    res = sampler.decode(params, cache, logits, rng=key, max_new_tokens=cfg.max_new_tokens,
-                         sampling=sampling, active=active, reserve=1)
-    cache = res.cache
-    lengths = host_array(cache.lengths).copy()
-    replies, appends = [], [[] for _ in range(C)]
+    stops = sequence_stops(self.chat, self.cfg.stop_sequences, C, self.sampler.config.vocab_size)
+    res = self.sampler.decode(self.params, self.cache, self.logits, rng=key,
+                              max_new_tokens=self.cfg.max_new_tokens, sampling=self.sampling,
+                              active=active, reserve=1, stop_rules=stops)
+    self.cache = res.cache
+    turn = _Turn(lengths=host_array(self.cache.lengths).copy(), appends=[[] for _ in range(C)])
     for b in live:
       gen = res.row(b)
-      stats.policy_tokens += len(gen)
-      stats.policy_turns += 1
-      row = rows[b]
-      parsed = parse_policy_output(chat.decode(gen, skip_special_tokens=True), cfg.think)
-      row.raw.append(chat.decode(gen, skip_special_tokens=False))
-      row.replies.append(parsed.reply)
-      row.thoughts.append(parsed.thought)
-      row.format_ok.append(parsed.format_ok)
-      replies.append(parsed.reply)
-      gen_logp = res.sample_logp[b, : len(gen)].tolist()
-      if cfg.split_turns:
-        start = len(row.ctx)
-        row.samples.append(Sample(b, row.ctx + gen, [0] * start + [1] * len(gen),
-                                  [0.0] * start + gen_logp, [start + len(gen) - 1]))
-        lengths[b] = start  # rewind: the thought leaves the cache, only the visible reply goes back
-        shown = chat.encode(parsed.reply) + [chat.im_end]
-        appends[b] += shown
-        row.ctx += shown
-        row.mask += [0] * len(shown)
-        row.logp += [0.0] * len(shown)
-      else:
-        row.ctx += gen
-        row.mask += [1] * len(gen)
-        row.logp += gen_logp
-        row.turn_ends.append(len(row.ctx) - 1)
-        # Cut by the budget, or stopped by another stop id (<|endoftext|>): close the turn as the
-        # template does (not sampled, so mask 0).
-        if gen[-1:] != [chat.im_end]:
-          appends[b].append(chat.im_end)
-          row.ctx.append(chat.im_end)
-          row.mask.append(0)
-          row.logp.append(0.0)
-    results = users.step(live, replies)
+      turn.replies.append(self._record_reply(b, gen, res.sample_logp[b, : len(gen)].tolist(), turn))
+    return turn
+
+  def _record_reply(self, b: int, gen: list[int], gen_logp: list[float], turn: _Turn) -> str:
+    """Adds row `b`'s sampled tokens to its context or samples; returns its visible reply."""
+    self.stats.policy_tokens += len(gen)
+    self.stats.policy_turns += 1
+    row, chat = self.rows[b], self.chat
+    parsed = parse_policy_output(chat.decode(gen, skip_special_tokens=True), self.cfg.think)
+    row.raw.append(chat.decode(gen, skip_special_tokens=False))
+    row.replies.append(parsed.reply)
+    row.thoughts.append(parsed.thought)
+    row.format_ok.append(parsed.format_ok)
+    if self.cfg.split_turns:
+      start = len(row.ctx)
+      row.samples.append(Sample(b, row.ctx + gen, [0] * start + [1] * len(gen),
+                                [0.0] * start + gen_logp, [start + len(gen) - 1]))
+      turn.lengths[b] = start  # rewind: the thought leaves the cache, only the visible reply goes back
+      shown = chat.encode(parsed.reply) + [chat.im_end]
+      turn.appends[b] += shown
+      row.extend(shown)
+    else:
+      row.extend(gen, 1, gen_logp)
+      row.turn_ends.append(len(row.ctx) - 1)
+      # Cut by the budget, or stopped by another stop id (<|endoftext|>): close the turn as the
+      # template does (not sampled, so mask 0).
+      if gen[-1:] != [chat.im_end]:
+        turn.appends[b].append(chat.im_end)
+        row.extend([chat.im_end])
+    return parsed.reply
+
+  def user_turn(self, results: Sequence[TurnResult], turn: _Turn) -> None:
+    """Queues each still-running dialogue's user line; one that no longer fits ends (context_full)."""
+    chat = self.chat
     for r in results:
       if r.done:
         continue
       user = chat.encode("\n") + chat.message("user", r.user_reply or "") + chat.generation_header()
       # Room must remain for at least one sampled token and the closing <|im_end|>.
-      if lengths[r.row] + len(appends[r.row]) + len(user) + 2 > sampler.max_len:
-        users.records[r.row].termination = "context_full"
+      if turn.lengths[r.row] + len(turn.appends[r.row]) + len(user) + 2 > self.sampler.max_len:
+        self.users.end(r.row, "context_full")
         continue
-      appends[r.row] += user
-      rows[r.row].ctx += user
-      rows[r.row].mask += [0] * len(user)
-      rows[r.row].logp += [0.0] * len(user)
-    for b in range(B):  # a finished row never samples again: its cache needs nothing more
-      if users.records[b].done:
-        appends[b] = []
-    cache = cache.with_lengths(lengths)
-    cache, logits = sampler.append(params, cache, appends, logits)
+      turn.appends[r.row] += user
+      self.rows[r.row].extend(user)
 
-  return [_finish(b, rows[b], profiles[b], group_ids[b], users, cfg) for b in range(B)]
+  def advance(self, turn: _Turn) -> None:
+    """Appends the queued tokens to the cache (from the rewound lengths) for the next decode."""
+    for b, rec in enumerate(self.users.records):  # a finished row never samples again
+      if rec.done:
+        turn.appends[b] = []
+    self.cache = self.cache.with_lengths(turn.lengths)
+    self.stats.policy_prefill_tokens += sum(len(a) for a in turn.appends)
+    self.cache, self.logits = self.sampler.append(self.params, self.cache, turn.appends, self.logits)
 
 
-def _finish(b: int, row: _Row, profile: Profile, group_id: int, users: SimulatedUsers,
+def _finish(b: int, row: _Row, profile: Profile, group_id: int, rec: UserState,
             cfg: RolloutConfig) -> Dialogue:
-  rec = users.records[b]
-  reward = max(rec.emotion / 100.0, 0.0)
+  """The finished dialogue: the policy's samples with their rewards, and the user's record."""
+  reward = rec.reward
   penalised = cfg.think and cfg.format_penalty and not all(row.format_ok)
   if penalised:
     reward = 0.0
   samples = row.samples if cfg.split_turns else [
       Sample(b, row.ctx, row.mask, row.logp, row.turn_ends)]
   samples = [s for s in samples if s.turn_ends]
-  # Per-turn rewards are the emotion's actual moves (the simulator's stated change is clipped to
-  # [0, 100] when applied), so they sum to (final - start) / 100; a format violation zeroes them.
-  deltas = [0.0 if penalised else d / 100.0 for d in np.diff(rec.emotions).tolist()]
+  if rec.termination == SIMULATOR_ERROR:  # cut short by the backend, not by the policy: not trained
+    samples, reward = [], 0.0
+  deltas = [0.0 if penalised else d for d in rec.turn_rewards]  # a format violation zeroes them
   for i, s in enumerate(samples):
     if cfg.reward_mode == "terminal":
       s.token_rewards = {s.turn_ends[-1]: reward}
@@ -249,4 +314,4 @@ def _finish(b: int, row: _Row, profile: Profile, group_id: int, users: Simulated
       user_lines=list(rec.replies), emotions=list(rec.emotions), changes=list(rec.changes),
       reasoning=list(rec.reasoning), termination=rec.termination or "unknown",
       parse_failures=rec.parse_failures, reward=reward, reply_failures=rec.reply_failures,
-      silent_replies=rec.silent_replies)
+      silent_replies=rec.silent_replies, parsed=list(rec.parsed))

@@ -13,6 +13,11 @@ LANGUAGES = ("zh", "en")
 # Markers the model is told to write; simulator.py parses them back.
 CHANGE_LABEL = {"en": "Change", "zh": "变化"}
 REPLY_LABEL = {"en": "Reply", "zh": "回复"}
+# The emotion step's sections, in the order asked for (emotion_request); the reference information
+# flow shows the reply step only the fit and feeling ones (ANALYSIS_LABELS[lang][i] for i in READ).
+ANALYSIS_LABELS = {"en": ("Meaning", "Fit with my hidden theme", "Inner reaction", "Feeling"),
+                   "zh": ("对方的意思", "是否贴合隐藏主题", "内心反应", "感受")}
+READ_SECTIONS = (1, 3)
 
 _STATE_MEANING = {
     "en": {
@@ -122,31 +127,53 @@ def opening_instruction(language: str, passive: bool) -> str:
           f"the last line, starting with \"{label}:\".")
 
 
-def emotion_instruction(policy_reply: str, emotion: int, language: str, style: str) -> str:
-  """The emotion step: analyse the other side's latest reply and end with a signed change."""
+def emotion_instruction(policy_reply: str, emotion: int, language: str, style: str,
+                        guidance: bool = False) -> str:
+  """The emotion step: analyse the other side's latest reply and end with a signed change.
+
+  `guidance` adds a points scale for the style (a fitting reply earns +3 to +10 in vanilla). The
+  reference states none, so scores with it are more lenient than the paper's; the style itself
+  (system prompt) sets the tone either way.
+  """
+  return (other_side_said(policy_reply, language) + "\n\n"
+          + emotion_request(emotion, language, style, guidance))
+
+
+def other_side_said(policy_reply: str, language: str) -> str:
+  """The other side's reply, quoted (a line of the transcript in the reference information flow)."""
+  _check(language)
+  if language == "zh":
+    return f"对方刚才说：\n<<<\n{policy_reply}\n>>>"
+  return f"The other side just said:\n<<<\n{policy_reply}\n>>>"
+
+
+def emotion_request(emotion: int, language: str, style: str, guidance: bool = False) -> str:
+  """The emotion step's request about the reply quoted just before it (see emotion_instruction)."""
   _check(language, style)
   label = CHANGE_LABEL[language]
   if language == "zh":
-    strict = ("按你的风格打分：只有精准贴合隐藏主题、真诚具体的回复才会小幅加分，空泛或跑题的回复要扣分。"
-              if style == "challenging" else
-              "按你的风格打分：贴合隐藏主题的好回复会明显加分（+3 到 +10），只有明显跑题或伤人的回复才扣分。")
-    return (f"对方刚才说：\n<<<\n{policy_reply}\n>>>\n\n"
-            f"你现在的情绪值是 {emotion}（0 最差，100 完全释怀）。请以这个人的身份分析这句话带给你的感受，"
+    strict = ""
+    if guidance:
+      strict = ("按你的风格打分：只有精准贴合隐藏主题、真诚具体的回复才会小幅加分，空泛或跑题的回复要扣分。"
+                if style == "challenging" else
+                "按你的风格打分：贴合隐藏主题的好回复会明显加分（+3 到 +10），只有明显跑题或伤人的回复才扣分。")
+    return (f"你现在的情绪值是 {emotion}（0 最差，100 完全释怀）。请以这个人的身份分析这句话带给你的感受，"
             "依次写出这些带标题的小节：\n"
             "对方的意思：对方想表达或想做什么。\n"
             "是否贴合隐藏主题：贴合还是偏离，为什么。\n"
             "内心反应：你心里第一时间的反应。\n"
             "感受：这句话让你整体感觉如何。\n"
             f"最后单独一行写出情绪变化，是 -10 到 +10 之间带符号的整数，例如“{label}：-4”或“{label}：+3”。\n"
-            "注意：如果对方的回复是空的，或者不是自然语言（乱码、一堆符号、重复字符），你必须感到非常负面。"
-            f"{strict}")
-  strict = ("Score in your style: only a reply that precisely fits your hidden theme and is "
-            "sincere and specific earns a small rise; vague or off-theme replies lower your mood."
-            if style == "challenging" else
-            "Score in your style: a good reply that fits your hidden theme lifts your mood clearly "
-            "(+3 to +10); only a clearly off-topic or hurtful reply lowers it.")
-  return (f"The other side just said:\n<<<\n{policy_reply}\n>>>\n\n"
-          f"Your current emotion is {emotion} (0 = worst, 100 = completely at ease). As this "
+            "另外：要是对方什么都没说，或者发来的根本不成话（乱码、成串的符号、同一个字反复出现），"
+            f"这会让你很受伤，情绪要大幅下降。{strict}")
+  strict = ""
+  if guidance:
+    strict = (" Score in your style: only a reply that precisely fits your hidden theme and is "
+              "sincere and specific earns a small rise; vague or off-theme replies lower your mood."
+              if style == "challenging" else
+              " Score in your style: a good reply that fits your hidden theme lifts your mood "
+              "clearly (+3 to +10); only a clearly off-topic or hurtful reply lowers it.")
+  return (f"Your current emotion is {emotion} (0 = worst, 100 = completely at ease). As this "
           "person, analyse how this reply lands with you. Write these labelled sections in order:\n"
           "Meaning: what the other side is trying to say or do.\n"
           "Fit with my hidden theme: does it fit or miss it, and why.\n"
@@ -154,8 +181,9 @@ def emotion_instruction(policy_reply: str, emotion: int, language: str, style: s
           "Feeling: how the reply leaves you overall.\n"
           "Finish with one last line holding the change of your emotion, a signed integer from -10 "
           f"to +10, e.g. \"{label}: -4\" or \"{label}: +3\".\n"
-          "Note: if the reply is empty or is not natural language (garbled text, piles of symbols, "
-          f"repeated characters), you must feel strongly negative. {strict}")
+          "Also: a reply that says nothing, or that no person would write (scrambled characters, "
+          "strings of symbols, one character over and over), hurts you: let your emotion drop "
+          f"sharply.{strict}")
 
 
 def retry_instruction(language: str) -> str:
@@ -186,19 +214,42 @@ def reply_retry_instruction(language: str) -> str:
 def reply_instruction(emotion: int, state: str, language: str, passive: bool) -> str:
   """The reply step: plan, draft, rewrite, then output only the final reply after the marker."""
   _check(language)
+  meaning = _STATE_MEANING[language][state]
+  if language == "zh":
+    head = f"你的情绪值现在是 {emotion}，状态是 {state}：{meaning}。"
+  else:
+    head = f"Your emotion is now {emotion}, state {state}: {meaning}."
+  return head + _reply_task(language, passive)
+
+
+def reference_reply_instruction(state: str, reading: str, language: str, passive: bool) -> str:
+  """The reply step of the reference information flow: the state label and the fit and feeling
+  parts of this turn's analysis (`reading`; "" when none could be found), never the number."""
+  _check(language)
+  meaning = _STATE_MEANING[language][state]
+  if language == "zh":
+    head = f"你现在的状态是 {state}：{meaning}。"
+    notes = f"你对对方最新那句话的看法（你自己刚才的记录）：\n{reading}\n\n" if reading else ""
+  else:
+    head = f"Your state is now {state}: {meaning}."
+    notes = f"Your own notes on the other side's latest reply:\n{reading}\n\n" if reading else ""
+  return head + _reply_task(language, passive, notes)
+
+
+def _reply_task(language: str, passive: bool, notes: str = "") -> str:
+  """What the reply step asks for after its opening line: the states' legend, `notes`, the task."""
   label = REPLY_LABEL[language]
   meanings = _STATE_MEANING[language]
   if language == "zh":
     legend = "\n".join(f"- {k}：{v}" for k, v in meanings.items())
     extra = "\n你性格被动：不要向对方提问。" if passive else ""
-    return (f"你的情绪值现在是 {emotion}，状态是 {state}：{meanings[state]}。\n各状态的含义：\n{legend}\n\n"
+    return (f"\n各状态的含义：\n{legend}\n\n{notes}"
             "现在以这个人的身份回应对方。先简单规划：态度、目标（绝不透露隐藏主题）、语气、要说的内容。"
             f"{extra}\n然后写一版草稿，再改写得像真人说话：简短、情绪含蓄、不重复、不用套话。\n"
             f"最后一行以“{label}：”开头，只写最终的回复；只有这一行会被对方看到。")
   legend = "\n".join(f"- {k}: {v}" for k, v in meanings.items())
   extra = "\nYou are a passive person: do not ask the other side questions." if passive else ""
-  return (f"Your emotion is now {emotion}, state {state}: {meanings[state]}.\nWhat the states "
-          f"mean:\n{legend}\n\n"
+  return (f"\nWhat the states mean:\n{legend}\n\n{notes}"
           "Now respond to the other side as this person. First plan briefly: attitude, goal (never "
           f"reveal your hidden theme), tone, content.{extra}\nThen write a draft and rewrite it so "
           "it sounds like a real person: short, emotions implied, no repetition, no stock "

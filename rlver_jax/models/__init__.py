@@ -2,10 +2,14 @@
 
 `load_pretrained(path, dtype=jnp.bfloat16, mesh=None) -> (model, config)`; `model(input_ids)` gives
 logits [batch, length, vocab]. Tokenizers live in `rlver_jax.models.tokenizer` and the embedded
-SmolLM2 checkpoint in `rlver_jax.models.embedded` (not imported here: they pull in transformers).
+SmolLM2 checkpoint in `rlver_jax.models.embedded` (not imported here: they pull in transformers);
+checkpoint I/O (HF, safetensors, gs://) in `io/`.
+
+May import: parallel. The model knows nothing of sampling, dialogues or losses (a cached forward
+pass reads its cache through the `qwen2.LayerCache` protocol that `sampling.kv_cache` implements).
 """
 from rlver_jax.models.factory import create_model
-from rlver_jax.models.hf_io import export_pretrained, load_pretrained
+from rlver_jax.models.io.hf import export_pretrained, load_pretrained
 from rlver_jax.models.presets import Qwen2Config, from_hf_config, get_preset
 from rlver_jax.models.qwen2 import Qwen2
 

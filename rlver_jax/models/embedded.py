@@ -23,7 +23,7 @@ import tempfile
 
 import numpy as np
 
-from rlver_jax.models import safetensors_io as st
+from rlver_jax.models.io import safetensors as st
 from rlver_jax.models.presets import Qwen2Config, to_hf_config
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

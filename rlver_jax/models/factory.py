@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from rlver_jax.models.presets import Qwen2Config
 from rlver_jax.models.qwen2 import Head, Qwen2, RematPolicy
-from rlver_jax.sharding import DEFAULT_RULES, ShardingRules
+from rlver_jax.parallel.sharding import DEFAULT_RULES, ShardingRules
 
 
 def _is_var(x) -> bool:

@@ -15,14 +15,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from rlver_jax.models.presets import Qwen2Config
-from rlver_jax.sharding import constrain
+from rlver_jax.parallel.sharding import constrain
 
 RematPolicy = Literal["none", "full", "dots"]
 Head = Literal["lm", "value"]
@@ -121,29 +121,27 @@ class Qwen2(nnx.Module):
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     mask = causal & same & (segment_ids[:, None, :] != 0)
     x = self._embed(input_ids)
-    x, _ = self._run_layers(x, positions, mask, cache=None)
+    x, _ = self._run_layers(x, positions, BlockMask.over_tokens(mask), cache=None)
     return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
 
-  def cached_hidden_states(self, input_ids, positions, cache_k, cache_v, lengths, window: int,
-                           slots_major: bool = False):
-    """Runs T new tokens per row after each row's cached `lengths`; returns (hidden, k, v).
+  def cached_hidden_states(self, input_ids, positions, cache: LayerCache, own_mask=None):
+    """Runs T new tokens per row after each row's cached tokens; returns (hidden, updated cache).
 
     input_ids/positions [B, T] (rows right-padded; padded tokens land past the row's new length and
-    are never attended by real tokens); cache_k/v [L, B, K, S, Dh], or [L, B, S, K, Dh] when
-    `slots_major` (see `sampling/kv_cache.py` for why both). Each layer attends to the first `window`
-    (static) cache slots and to the new tokens as two key segments with one softmax, so its cost
-    follows the filled length, not S, and the cache is never concatenated with the new tokens.
-    Returns the caches with the new keys/values written (in place on donated buffers).
+    are never attended by real tokens). Each layer attends to the cache's window (its first W slots,
+    `sampling/kv_cache.py`'s `CacheView`) and to the new tokens as two key segments with one
+    softmax, so its cost follows the filled length, not S, and the cache is never concatenated with
+    the new tokens. The returned cache has the new keys/values written; the caller advances lengths.
+    `own_mask` [B, T, T] replaces the causal mask among the new tokens (a tree of continuations).
     """
-    B, T = input_ids.shape
-    slot = lengths[:, None] + jnp.arange(T)[None, :]                    # [B, T] where each token lands
-    old = jnp.arange(window)[None, None, :] < lengths[:, None, None]    # [B, 1, W] filled slots
-    new = jnp.arange(T)[None, :, None] >= jnp.arange(T)[None, None, :]  # [1, T, T] causal
-    masks = (jnp.broadcast_to(old, (B, T, window)), jnp.broadcast_to(new, (B, T, T)))
+    T = input_ids.shape[1]
+    old = cache.filled(T)
+    if own_mask is None:
+      own_mask = jnp.arange(T)[None, :, None] >= jnp.arange(T)[None, None, :]  # [1, T, T] causal
+    mask = BlockMask.over_cache_and_tokens(old, jnp.broadcast_to(own_mask, old.shape[:1] + (T, T)))
     x = self._embed(input_ids)
-    x, (cache_k, cache_v) = self._run_layers(
-        x, positions, masks, cache=(cache_k, cache_v, window, slots_major, slot))
-    return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps), cache_k, cache_v
+    x, cache = self._run_layers(x, positions, mask, cache)
+    return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps), cache
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """LM head: [..., D] -> fp32 logits [..., V]."""
@@ -162,7 +160,7 @@ class Qwen2(nnx.Module):
     x = jnp.take(self.embed[...], input_ids, axis=0).astype(self.dtype)
     return constrain(x, ("batch", "seq", "act_embed"))
 
-  def _run_layers(self, x, positions, mask, cache):
+  def _run_layers(self, x, positions, mask: BlockMask, cache: LayerCache | None):
     c = self.config
     layer_params = {k: v[...] for k, v in vars(self.layers).items() if isinstance(v, nnx.Param)}
     cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
@@ -177,48 +175,8 @@ class Qwen2(nnx.Module):
         return h, None
       x, _ = jax.lax.scan(body, x, layer_params)
       return x, None
-
-    cache_k, cache_v, window, slots_major, slot = cache
-    rows = jnp.arange(x.shape[0])[:, None]
-
-    def layer_window(c, l):  # this layer's first `window` slots as [B, K, W, Dh], sliced in the body
-      if slots_major:
-        L, B, _, K, Dh = c.shape
-        return jax.lax.dynamic_slice(c, (l, 0, 0, 0, 0), (1, B, window, K, Dh))[0].transpose(0, 2, 1, 3)
-      L, B, K, _, Dh = c.shape
-      return jax.lax.dynamic_slice(c, (l, 0, 0, 0, 0), (1, B, K, window, Dh))[0]
-
-    layers = jnp.arange(c.num_layers)
-    # Where new keys/values are written differs by backend, like the layout (sampling/kv_cache.py).
-    # TPU (slots-major): each layer writes its own slab inside the scan; one scatter of all layers
-    # after the scan made XLA:TPU lay the cache out with layers next to head dim and copy it around
-    # the decode loop (72B simulator decode on a 1x4x2 mesh: 33 -> 11.8 GiB of temporaries per chip).
-    # XLA:CPU copies a scan-carried cache every layer (4x slower decode), so there the scan only
-    # reads the cache and one scatter writes all layers afterwards.
-    if slots_major:
-      def write(c, l, new):  # new [B, K, T, Dh] -> layer l at `slot`; padding past the end dropped
-        return c.at[l, rows, slot].set(new.transpose(0, 2, 1, 3).astype(c.dtype), mode="drop")
-
-      def body_writing(carry, p_l):
-        h, ck, cv = carry
-        p, l = p_l
-        h, (k, v) = block(h, p, cos, sin, mask, (layer_window(ck, l), layer_window(cv, l)))
-        return (h, write(ck, l, k), write(cv, l, v)), None
-
-      (x, cache_k, cache_v), _ = jax.lax.scan(body_writing, (x, cache_k, cache_v),
-                                              (layer_params, layers))
-      return x, (cache_k, cache_v)
-
-    def body_reading(h, p_l):
-      p, l = p_l
-      return block(h, p, cos, sin, mask, (layer_window(cache_k, l), layer_window(cache_v, l)))
-
-    x, (new_k, new_v) = jax.lax.scan(body_reading, x, (layer_params, layers))
-    # new_k/v [L, B, K, T, Dh]; with a slice between the advanced indices (B, T) the updates are
-    # [B, T, L, K, Dh]. Padding past the preallocated end is dropped.
-    write_all = lambda c, new: c.at[:, rows, :, slot].set(new.transpose(1, 3, 0, 2, 4).astype(c.dtype),
-                                                          mode="drop")
-    return x, (write_all(cache_k, new_k), write_all(cache_v, new_v))
+    # The cache decides how its windows are read and its writes placed (its layout's business).
+    return cache.scan_layers(lambda h, p, k, v: block(h, p, cos, sin, mask, (k, v)), x, layer_params)
 
 
 def default_positions(segment_ids: jax.Array) -> jax.Array:
@@ -253,12 +211,11 @@ def _proj(x, w, dtype, spec: str):
   return jnp.einsum(spec, x, w.astype(dtype), preferred_element_type=_F32).astype(dtype)
 
 
-def _block(x, p, cos, sin, mask, cache, *, config: Qwen2Config, dtype):
-  """One decoder layer. Without a cache: mask [B, T, T], attention over the new tokens only.
+def _block(x, p, cos, sin, mask: BlockMask, window_kv, *, config: Qwen2Config, dtype):
+  """One decoder layer. Without a cache (window_kv None): attention over the new tokens only.
 
-  With a cache (this layer's (k, v) window [B, K, W, Dh]): mask is (cache mask [B, T, W], new-token
-  mask [B, T, T]), attention runs over both, and the new tokens' (k, v) [B, K, T, Dh] are returned
-  for the caller to write.
+  With one (this layer's (k, v) window [B, K, W, Dh]) attention runs over the window and the new
+  tokens, and the new tokens' (k, v) [B, K, T, Dh] are returned for the cache to write.
   """
   c = config
   h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
@@ -270,14 +227,9 @@ def _block(x, p, cos, sin, mask, cache, *, config: Qwen2Config, dtype):
   q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "act_heads", None))
   k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "act_kv_heads", None))
   v = constrain(v, ("batch", "seq", "act_kv_heads", None))
-  if cache is None:
-    new_kv = None
-    attn = attention(q, k, v, mask)
-  else:  # keys in two segments: the cache window and the new tokens, in [B, K, S, Dh] layout
-    new_kv = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
-    segments = ((cache[0].astype(dtype), cache[1].astype(dtype), mask[0]),
-                (new_kv[0], new_kv[1], mask[1]))
-    attn = segment_attention(q, segments)
+  own_kv = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))  # [B, K, T, Dh], the segments' layout
+  window = None if window_kv is None else tuple(a.astype(dtype) for a in window_kv)
+  attn = segment_attention(q, mask.segments(window, own_kv))
   x = x + _proj(attn, p["wo"], dtype, "bthk,hkd->btd")
   x = constrain(x, ("batch", "seq", "act_embed"))
   h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
@@ -285,10 +237,49 @@ def _block(x, p, cos, sin, mask, cache, *, config: Qwen2Config, dtype):
   up = _proj(h, p["w_up"], dtype, "btd,df->btf")
   act = constrain(jax.nn.silu(gate.astype(_F32)).astype(dtype) * up, ("batch", "seq", "act_mlp"))
   x = x + _proj(act, p["w_down"], dtype, "btf,fd->btd")
-  return constrain(x, ("batch", "seq", "act_embed")), new_kv
+  return constrain(x, ("batch", "seq", "act_embed")), (None if window_kv is None else own_kv)
 
 
 Segment = tuple[jax.Array, jax.Array, jax.Array]  # keys, values [B, K, S, Dh]; mask [B, T, S]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockMask:
+  """Which keys each of a block's T query tokens may see: its own tokens (`own` [B, T, T]) and,
+  in a cached pass, the cache window's slots before them (`window` [B, T, W]; None uncached)."""
+  own: jax.Array
+  window: jax.Array | None = None
+
+  @staticmethod
+  def over_tokens(own: jax.Array) -> "BlockMask":
+    return BlockMask(own)
+
+  @staticmethod
+  def over_cache_and_tokens(window: jax.Array, own: jax.Array) -> "BlockMask":
+    return BlockMask(own, window)
+
+  def segments(self, window_kv, own_kv) -> tuple[Segment, ...]:
+    """The key segments for `segment_attention`: the window's (k, v) first when cached, then own."""
+    own = (own_kv[0], own_kv[1], self.own)
+    if self.window is None:
+      return (own,)
+    return ((window_kv[0], window_kv[1], self.window), own)
+
+
+class LayerCache(Protocol):
+  """What a cached forward pass needs of a KV cache; `sampling/kv_cache.py`'s `CacheView` is one.
+
+  The cache owns its layout: it says which of its window slots are filled and runs the layer scan,
+  handing each layer its window and writing the new tokens' keys/values where its layout wants them.
+  """
+
+  def filled(self, num_new: int) -> jax.Array:
+    """[B, T, W] True where a window slot is filled."""
+
+  def scan_layers(self, layer, x: jax.Array, layer_params: dict) -> tuple[jax.Array, Any]:
+    """`layer(h, p, k_window, v_window) -> (h, (k_new, v_new))` over the stacked layers; returns
+    (hidden, the cache with the new keys/values written)."""
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,

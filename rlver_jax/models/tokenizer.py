@@ -15,7 +15,7 @@ import os
 import tempfile
 from typing import Sequence
 
-from rlver_jax.models import storage
+from rlver_jax.models.io import storage
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "generation_config.json", "chat_template.jinja")

@@ -1,4 +1,5 @@
-"""Token-level RL losses: PPO clipped surrogate, clipped value loss, entropy and KL terms.
+"""Token-level RL losses: the policy-gradient losses (PPO clipped surrogate, GSPO, CISPO), clipped
+value loss, entropy and KL terms.
 
 Shape legend: B sequences, T tokens, V vocabulary.
 
@@ -6,15 +7,32 @@ Shape legend: B sequences, T tokens, V vocabulary.
 loss is built per token and reduced by `aggregate`, so the reduction is one choice shared by all
 terms. Everything is computed in fp32: log-ratios of bf16 log-probs are off by ~1e-2, enough to
 flip clipping decisions and to make exp(logp - old_logp) visibly differ from 1 on-policy.
+
+Policy losses (`policy_loss(kind=...)`, A the advantage, r = exp(logp - old_logp) per token):
+  ppo: max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)), optionally dual-clipped (A < 0 capped
+    at -dual_clip * A). The two bounds are independent, so clip_high > clip_low is exactly DAPO's
+    decoupled clip ("clip-higher", 0.2 / 0.28 in DAPO), and agg="token-mean" with weights over the
+    whole mini-batch is DAPO's token-level loss: the sum over every policy token of the mini-batch
+    (one optimizer update) divided by their count, so long samples weigh by their length.
+  gspo: the same surrogate on the sequence ratio s = exp(mean of logp - old_logp over the sequence's
+    policy tokens), in GSPO's per-token form (GSPO-token): each token's ratio has the value s and the
+    gradient s * grad logp_t. With one advantage per sequence (GRPO) the clip is decided per
+    sequence and agg="seq-mean-token-mean" is GSPO's objective exactly (token-mean weighs sequences
+    by length); per-token advantages (GAE) are used token by token. One-token sequences: == ppo.
+  cispo: -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp (MiniMax-M1's CISPO): the clipped
+    ratio is a weight without gradient, so clipped tokens keep a gradient; no dual clip.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from rlver_jax.rl.rollout_correction import correction_weights
+
 _F32 = jnp.float32
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
 
 
 def _masked_mean(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -79,56 +97,86 @@ def policy_loss(
     advantages: jax.Array,
     mask: jax.Array,
     *,
+    kind: str = "ppo",
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = None,
     agg: str = "token-mean",
     norm_len: int | None = None,
     rollout_logp: jax.Array | None = None,
-    tis_cap: float | None = None,
+    is_correction: str = "none",
+    is_cap: float | None = None,
     weights: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """PPO clipped surrogate, all inputs [B, T]; returns (scalar loss, metrics).
+  """The policy-gradient loss `kind` (module docstring), all inputs [B, T]; returns (scalar loss,
+  metrics). With `is_correction` (`rl.rollout_correction`; needs `rollout_logp` and `is_cap`) each
+  token's loss is scaled by its sampler/trainer importance weight or mask.
 
-  Per token: max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)). With dual_clip = c
-  (c > 1), tokens with A < 0 are further capped at -c * A, so a huge ratio on a bad token cannot
-  produce an unbounded loss. With rollout_logp and tis_cap both given, each token's loss is scaled
-  by the truncated importance weight min(exp(old_logp - rollout_logp), tis_cap) (no gradient),
-  correcting for the sampler's log-probs differing from the trainer's.
-
-  Metrics (over policy tokens): clip_frac (the clipped branch is the active one), dual_clip_frac,
-  approx_kl (k2 = 0.5 * (logp - old_logp)^2), ratio_mean/max/min and, with TIS, tis_weight_mean.
+  Metrics (over policy tokens): clip_frac (the clipped branch is the active one; for cispo, the
+  ratio was clipped), dual_clip_frac, approx_kl (k2 = 0.5 * (logp - old_logp)^2 per token),
+  ratio_mean/max/min of the ratio the loss used and, with a correction, is_weight_mean.
   """
-  if dual_clip is not None and dual_clip <= 1.0:
-    raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+  if kind not in POLICY_LOSSES:
+    raise ValueError(f"unknown policy loss {kind!r}; valid: {', '.join(POLICY_LOSSES)}")
+  if dual_clip is not None and (dual_clip <= 1.0 or kind == "cispo"):
+    raise ValueError(f"dual_clip must be > 1 and needs a clipped-surrogate loss, got {dual_clip} "
+                     f"with {kind}")
   logp = logp.astype(_F32)
   old_logp = jax.lax.stop_gradient(old_logp.astype(_F32))
   adv = jax.lax.stop_gradient(advantages.astype(_F32))
   w = (mask > 0).astype(_F32)
 
   log_ratio = logp - old_logp
-  ratio = jnp.exp(log_ratio)
+  ratio = jnp.exp(_sequence_log_ratio(log_ratio, logp, w) if kind == "gspo" else log_ratio)
+  if kind == "cispo":
+    loss_tok, clip_active, dual_active = _cispo_surrogate(adv, ratio, logp, clip_low, clip_high)
+  else:
+    loss_tok, clip_active, dual_active = _clipped_surrogate(adv, ratio, clip_low, clip_high,
+                                                            dual_clip)
+  metrics = {}
+  correction = correction_weights(old_logp, rollout_logp, mask, is_correction, is_cap)
+  if correction is not None:
+    loss_tok = loss_tok * correction
+    metrics["is_weight_mean"] = _masked_mean(correction, w)
+  metrics.update(_ratio_metrics(log_ratio, ratio, clip_active, dual_active, w))
+  metrics = {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
+  return aggregate(loss_tok, mask, agg, norm_len=norm_len, weights=weights), metrics
+
+
+def _sequence_log_ratio(log_ratio: jax.Array, logp: jax.Array, w: jax.Array) -> jax.Array:
+  """GSPO's per-token log-ratio: the value of the sequence's mean log-ratio on every token, the
+  gradient of that token's own logp (sg(mean) + logp - sg(logp); the last two cancel exactly)."""
+  seq = (log_ratio * w).sum(-1, keepdims=True) / jnp.maximum(w.sum(-1, keepdims=True), 1.0)
+  return jax.lax.stop_gradient(seq) + (logp - jax.lax.stop_gradient(logp))
+
+
+def _cispo_surrogate(adv: jax.Array, ratio: jax.Array, logp: jax.Array, clip_low: float,
+                     clip_high: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(per-token loss, where the ratio was clipped, no dual clip)."""
+  clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+  loss_tok = -jax.lax.stop_gradient(clipped) * adv * logp
+  return loss_tok, clipped != ratio, jnp.zeros(ratio.shape, bool)
+
+
+def _clipped_surrogate(adv: jax.Array, ratio: jax.Array, clip_low: float, clip_high: float,
+                       dual_clip: float | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(per-token loss, where the clipped branch is active, where the dual clip is active)."""
   unclipped = -adv * ratio
   clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
   loss_tok = jnp.maximum(unclipped, clipped)
   clip_active = clipped > unclipped
   if dual_clip is None:
-    dual_active = jnp.zeros_like(clip_active)
-  else:
-    cap = -adv * dual_clip
-    dual_active = (adv < 0) & (loss_tok > cap)
-    loss_tok = jnp.where(dual_active, cap, loss_tok)
+    return loss_tok, clip_active, jnp.zeros_like(clip_active)
+  cap = -adv * dual_clip
+  dual_active = (adv < 0) & (loss_tok > cap)
+  return jnp.where(dual_active, cap, loss_tok), clip_active, dual_active
 
-  metrics = {}
-  if rollout_logp is not None and tis_cap is not None:
-    tis_w = jnp.minimum(jnp.exp(old_logp - rollout_logp.astype(_F32)), tis_cap)
-    tis_w = jax.lax.stop_gradient(tis_w)
-    loss_tok = loss_tok * tis_w
-    metrics["tis_weight_mean"] = _masked_mean(tis_w, w)
 
-  # An empty batch reports ratio 1 rather than +-inf.
+def _ratio_metrics(log_ratio: jax.Array, ratio: jax.Array, clip_active: jax.Array,
+                   dual_active: jax.Array, w: jax.Array) -> dict[str, jax.Array]:
+  """The policy loss's metrics over policy tokens; an empty batch reports ratio 1 rather than +-inf."""
   any_tok = w.sum() > 0
-  metrics.update(
+  return dict(
       clip_frac=_masked_mean(clip_active.astype(_F32), w),
       dual_clip_frac=_masked_mean(dual_active.astype(_F32), w),
       approx_kl=_masked_mean(0.5 * log_ratio**2, w),
@@ -136,8 +184,6 @@ def policy_loss(
       ratio_max=jnp.where(any_tok, jnp.where(w > 0, ratio, -jnp.inf).max(), 1.0),
       ratio_min=jnp.where(any_tok, jnp.where(w > 0, ratio, jnp.inf).min(), 1.0),
   )
-  metrics = {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
-  return aggregate(loss_tok, mask, agg, norm_len=norm_len, weights=weights), metrics
 
 
 def value_loss(

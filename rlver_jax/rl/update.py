@@ -2,11 +2,12 @@
 
 Shape legend: M micro-batches, B sequences per micro-batch, T tokens, V vocabulary, D hidden.
 
-Token-aligned batches: `tokens [M, B, T]`, and for every array below index t describes token t
-(`logp[..., t] = log p(tokens[t] | tokens[<t])`; index 0 is never a policy token). `loss_mask` is 1 on
-tokens the policy sampled. Loss terms are reduced with weights computed once over the whole
-mini-batch, so accumulating gradients over micro-batches (a `lax.scan` inside the jit) gives exactly
-the gradient of the whole mini-batch.
+The step takes an `rl.batch.UpdateBatch` (a pytree, passed to jit and scanned over micro-batches as
+it is): token-aligned [M, B, T] arrays, index t describing token t (`logp[..., t] = log p(tokens[t] |
+tokens[<t])`; index 0 is never a policy token). `loss_mask` is 1 on tokens the policy sampled.
+Loss terms are reduced with weights computed once over the whole mini-batch, so accumulating
+gradients over micro-batches (a `lax.scan` inside the jit) gives exactly the gradient of the whole
+mini-batch.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlver_jax.models.qwen2 import Qwen2
 from rlver_jax.rl import losses
+from rlver_jax.rl.batch import UpdateBatch
 
 _F32 = jnp.float32
 
@@ -35,7 +37,9 @@ class LossConfig:
   entropy_coef: float = 0.001
   kl_coef: float = 0.0          # KL-to-reference in the loss (0: off, as in the paper)
   kl_kind: str = "k3"
-  tis_cap: float | None = None  # truncated IS against the sampler's log-probs (None: off)
+  policy_loss: str = "ppo"      # rl.losses.POLICY_LOSSES
+  is_correction: str = "none"   # sampler/trainer mismatch correction (rl.rollout_correction)
+  is_cap: float | None = None   # its cap c (needed unless is_correction is "none")
   value_clip: float | None = 0.5
   logits_chunk: int = 512       # tokens per LM-head chunk: bounds the [B, T, V] fp32 logits
 
@@ -104,27 +108,27 @@ def token_values(critic: Qwen2, tokens_BxT: jax.Array, segment_ids_BxT: jax.Arra
   return jnp.where(jnp.arange(tokens_BxT.shape[1])[None, :] > 0, values, 0.0)
 
 
-def _policy_loss(model: Qwen2, mb: dict[str, jax.Array], cfg: LossConfig):
-  logp, ent = token_logprobs_and_entropy(model, mb["tokens"], mb["segment_ids"], cfg.logits_chunk)
-  w = mb["weights"]
+def _policy_loss(model: Qwen2, mb: UpdateBatch, cfg: LossConfig):
+  logp, ent = token_logprobs_and_entropy(model, mb.tokens, mb.segment_ids, cfg.logits_chunk)
+  w = mb.weights
   loss, metrics = losses.policy_loss(
-      logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], clip_low=cfg.clip_low,
-      clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, rollout_logp=mb.get("rollout_logp"),
-      tis_cap=cfg.tis_cap, weights=w)
-  entropy = losses.entropy_bonus(ent, mb["loss_mask"], weights=w)
+      logp, mb.old_logp, mb.advantages, mb.loss_mask, kind=cfg.policy_loss, clip_low=cfg.clip_low,
+      clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, rollout_logp=mb.rollout_logp,
+      is_correction=cfg.is_correction, is_cap=cfg.is_cap, weights=w)
+  entropy = losses.entropy_bonus(ent, mb.loss_mask, weights=w)
   total = loss - cfg.entropy_coef * entropy
   metrics = dict(metrics, pg_loss=loss, entropy=entropy)
   if cfg.kl_coef > 0:
-    kl = losses.kl_loss(logp, mb["ref_logp"], mb["loss_mask"], cfg.kl_kind, weights=w)
+    kl = losses.kl_loss(logp, mb.ref_logp, mb.loss_mask, cfg.kl_kind, weights=w)
     total = total + cfg.kl_coef * kl
     metrics["kl_loss"] = kl
   return total, metrics
 
 
-def _value_loss(critic: Qwen2, mb: dict[str, jax.Array], cfg: LossConfig):
-  values = token_values(critic, mb["tokens"], mb["segment_ids"])
-  loss, metrics = losses.value_loss(values, mb["old_values"], mb["returns"], mb["loss_mask"],
-                                    clip_eps=cfg.value_clip, weights=mb["weights"])
+def _value_loss(critic: Qwen2, mb: UpdateBatch, cfg: LossConfig):
+  values = token_values(critic, mb.tokens, mb.segment_ids)
+  loss, metrics = losses.value_loss(values, mb.old_values, mb.returns, mb.loss_mask,
+                                    clip_eps=cfg.value_clip, weights=mb.weights)
   return loss, dict(metrics, vf_loss=loss)
 
 
@@ -159,14 +163,22 @@ class Updater:
     shardings = opt_state_shardings(self.optimizer, params, sharding.mesh)
     return jax.jit(self.optimizer.init, out_shardings=shardings)(params)
 
-  def step(self, params: nnx.State, opt_state, batch: dict[str, jax.Array]):
-    """batch arrays are [M, B, T]; returns (params, opt_state, metrics)."""
-    weights = losses.token_weights(batch["loss_mask"].reshape(-1, batch["loss_mask"].shape[-1]),
-                                   self.cfg.agg, norm_len=self.cfg.norm_len)
-    batch = dict(batch, weights=weights.reshape(batch["loss_mask"].shape))
-    return self._step(params, opt_state, batch)
+  def step(self, params: nnx.State, opt_state, batch: UpdateBatch, lr_scale: float | None = None):
+    """One optimizer update on a mini-batch ([M, B, T] arrays); returns (params, opt_state, metrics).
+    `lr_scale` multiplies this update (a warm-up the caller counts in its own unit, e.g. RL steps;
+    traced, no recompile)."""
+    scale = None if lr_scale is None else jnp.asarray(lr_scale, _F32)
+    return self._step(params, opt_state, self.weighted(batch), scale)
 
-  def _step_impl(self, params, opt_state, batch):
+  def weighted(self, batch: UpdateBatch) -> UpdateBatch:
+    """`batch` with its loss weights, computed once over the whole mini-batch (what `_step` takes)."""
+    mask = batch.loss_mask
+    weights = losses.token_weights(mask.reshape(-1, mask.shape[-1]), self.cfg.agg,
+                                   norm_len=self.cfg.norm_len)
+    return dataclasses.replace(batch, weights=weights.reshape(mask.shape))
+
+  def _step_impl(self, params, opt_state, batch: UpdateBatch, lr_scale: jax.Array | None = None):
+    """The jitted step; `lr_scale` is a scalar, not scanned over micro-batches like `batch`."""
     def loss_of(p, mb):
       return self.loss_fn(nnx.merge(self.graphdef, p, self.rest), mb, self.cfg)
 
@@ -180,12 +192,14 @@ class Updater:
     grads, per_mb = jax.lax.scan(accumulate, zeros, batch)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, opt_state = self.optimizer.update(grads, opt_state, params)
+    if lr_scale is not None:  # AdamW's update is linear in the learning rate
+      updates = jax.tree.map(lambda u: (u * lr_scale).astype(u.dtype), updates)
     params = optax.apply_updates(params, updates)
     # Loss terms are already weighted over the whole mini-batch: sum them. The other metrics are
     # per-token means of each micro-batch: weight them by its token count, so a short or all-padding
     # micro-batch does not count as much as a full one.
     summed = {"loss", "pg_loss", "entropy", "kl_loss", "vf_loss"}
-    counts = (batch["loss_mask"] > 0).sum(axis=(1, 2)).astype(_F32)
+    counts = (batch.loss_mask > 0).sum(axis=(1, 2)).astype(_F32)
     per_token = lambda v: (v * counts).sum() / jnp.maximum(counts.sum(), 1.0)
     metrics = {k: (v.sum() if k in summed else per_token(v)) for k, v in per_mb.items()}
     if "ratio_max" in metrics:

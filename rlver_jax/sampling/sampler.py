@@ -6,6 +6,8 @@ The multi-turn primitive is `append`: new tokens (a user turn, an instruction) g
 row's own cache length; nothing already cached is recomputed. `prefill` is an append onto an emptied
 cache. `decode` runs one jitted `lax.while_loop` until every row has hit a stop id or its budget; the
 generated tokens, stop token included, are in the cache afterwards, so the next turn just appends.
+Optional `stop_rules.StopRules` end rows early on token sequences or at the end of a labelled line,
+checked inside the loop with traced tables.
 
 Static shapes keep compiles bounded: appended lengths are padded to `append_buckets`, and attention
 reads only a window of the cache bucketed to a power of two >= the longest row, so cost follows the
@@ -23,9 +25,11 @@ import numpy as np
 from flax import nnx
 
 from rlver_jax.models.qwen2 import Qwen2
+from rlver_jax.sampling.call_counts import CallCounts
 from rlver_jax.sampling.kv_cache import KVCache, Layout, default_layout
+from rlver_jax.sampling.stop_rules import StopRules, StopState, StopTables
 from rlver_jax.sampling.strategies import SamplingParams, sample
-from rlver_jax.sharding import DEFAULT_RULES, host_array as _host, padded_batch
+from rlver_jax.parallel.sharding import DEFAULT_RULES, host_array, padded_batch
 
 
 DEFAULT_APPEND_BUCKETS = (16, 64, 256, 1024)
@@ -46,8 +50,9 @@ def window_buckets(max_len: int, min_window: int = 64) -> tuple[int, ...]:
   return tuple(out) + (max_len,)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class DecodeResult:
+  """What `Sampler.decode` returns: the generated tokens on the host, the cache and logits on device."""
   tokens: np.ndarray        # [B, N] int32; pad_id after a row's last token
   num_tokens: np.ndarray    # [B] generated tokens per row (stop token included)
   sample_logp: np.ndarray   # [B, N] log-prob under the sampling distribution (0 for greedy)
@@ -55,59 +60,93 @@ class DecodeResult:
   stopped: np.ndarray       # [B] True where the row ended on a stop id (False: budget/cache full)
   cache: KVCache
   logits: jax.Array         # [B, V] fp32 after each row's last cached token: decode may go on from here
+  rule_stopped: np.ndarray | None = None  # [B] True where a stop rule ended the row (None: no rules)
 
   def row(self, b: int) -> list[int]:
     return self.tokens[b, : self.num_tokens[b]].tolist()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+  """The carry of the decode `lax.while_loop` (every field traced, so no step recompiles)."""
+  step: jax.Array           # [] int32 tokens sampled so far (the column written next)
+  cache: KVCache
+  logits: jax.Array         # [B, V] fp32 after each row's last cached token
+  count: jax.Array          # [B] int32 tokens generated per row
+  done: jax.Array           # [B] bool: the row samples no more
+  stopped: jax.Array        # [B] bool: the row ended on a stop id
+  tokens: jax.Array         # [B, N] int32, pad_id where nothing was sampled
+  sample_logp: jax.Array    # [B, N] fp32 under the sampling distribution
+  model_logp: jax.Array     # [B, N] fp32 under the raw model
+  rules: StopState | None = None  # progress through the stop rules (None: the call has none)
+
+  @staticmethod
+  def start(cache: KVCache, logits_BxV, active_B, budget_B, *, max_new: int, pad_id: int,
+            rules: StopTables | None = None) -> "DecodeState":
+    B = logits_BxV.shape[0]
+    zeros_f = jnp.zeros((B, max_new), jnp.float32)
+    return DecodeState(step=jnp.int32(0), cache=cache, logits=logits_BxV.astype(jnp.float32),
+                       count=jnp.zeros((B,), jnp.int32), done=~active_B | (budget_B <= 0),
+                       stopped=jnp.zeros((B,), bool), tokens=jnp.full((B, max_new), pad_id, jnp.int32),
+                       sample_logp=zeros_f, model_logp=zeros_f,
+                       rules=None if rules is None else rules.start())
+
+  def result(self) -> DecodeResult:
+    """The host copy of the generated tokens (one transfer per array), device cache and logits."""
+    return DecodeResult(tokens=host_array(self.tokens), num_tokens=host_array(self.count),
+                        sample_logp=host_array(self.sample_logp), model_logp=host_array(self.model_logp),
+                        stopped=host_array(self.stopped), cache=self.cache, logits=self.logits,
+                        rule_stopped=None if self.rules is None else host_array(self.rules.hit))
 
 
 def _append_fn(graphdef, params, cache: KVCache, tokens_BxT, num_new_B, prev_logits_BxV, *, window):
   model: Qwen2 = nnx.merge(graphdef, params)
   T = tokens_BxT.shape[1]
   positions = cache.lengths[:, None] + jnp.arange(T)[None, :]
-  hidden, k, v = model.cached_hidden_states(tokens_BxT, positions, cache.k, cache.v, cache.lengths,
-                                            window, slots_major=cache.layout == "slots_major")
+  hidden, written = model.cached_hidden_states(tokens_BxT, positions, cache.view(window))
   last = jnp.take_along_axis(hidden, jnp.maximum(num_new_B - 1, 0)[:, None, None], axis=1)[:, 0]
   logits = model.logits(last)
   logits = jnp.where((num_new_B > 0)[:, None], logits, prev_logits_BxV)
-  return KVCache(k, v, cache.lengths + num_new_B, cache.layout), logits
+  return written.advanced(num_new_B), logits
+
+
+def _copy_rows_fn(cache: KVCache, logits_BxV, source_B):
+  """Row b takes row source_B[b]'s slots, length and last logits."""
+  return cache.take_rows(source_B), logits_BxV[source_B]
 
 
 def _decode_fn(graphdef, params, cache: KVCache, logits_BxV, active_B, budget_B, stop_ids, rng,
-               sampling: SamplingParams, *, window, max_new, pad_id):
+               sampling: SamplingParams, rules: StopTables | None = None, *, window, max_new,
+               pad_id) -> DecodeState:
   model: Qwen2 = nnx.merge(graphdef, params)
-  B = logits_BxV.shape[0]
-  zeros_f = jnp.zeros((B, max_new), jnp.float32)
 
-  def cond(s):
-    return (s["i"] < max_new) & ~jnp.all(s["done"])
+  def cond(s: DecodeState):
+    return (s.step < max_new) & ~jnp.all(s.done)
 
-  def body(s):
-    tok, slp, mlp = sample(s["logits"], jax.random.fold_in(rng, s["i"]), sampling)
-    live = ~s["done"]
+  def body(s: DecodeState) -> DecodeState:
+    tok, slp, mlp = sample(s.logits, jax.random.fold_in(rng, s.step), sampling)
+    live = ~s.done
     tok = jnp.where(live, tok, pad_id)
     col = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x[:, None].astype(buf.dtype),
-                                                            s["i"], axis=1)
-    lengths = s["lengths"]
-    hidden, k, v = model.cached_hidden_states(tok[:, None], lengths[:, None], s["k"], s["v"], lengths,
-                                              window, slots_major=cache.layout == "slots_major")
-    count = s["count"] + live
+                                                            s.step, axis=1)
+    lengths = s.cache.lengths
+    hidden, written = model.cached_hidden_states(tok[:, None], lengths[:, None], s.cache.view(window))
+    count = s.count + live
     is_stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1) & live
-    return dict(
-        i=s["i"] + 1, k=k, v=v, lengths=lengths + live,
-        logits=jnp.where(live[:, None], model.logits(hidden[:, 0]), s["logits"]),
-        count=count, done=s["done"] | is_stop | (count >= budget_B), stopped=s["stopped"] | is_stop,
-        tokens=col(s["tokens"], tok), slp=col(s["slp"], jnp.where(live, slp, 0.0)),
-        mlp=col(s["mlp"], jnp.where(live, mlp, 0.0)))
+    progress, rule_stop = (None, False) if s.rules is None else s.rules.advance(rules, tok, live)
+    return DecodeState(
+        step=s.step + 1, cache=written.advanced(live),
+        logits=jnp.where(live[:, None], model.logits(hidden[:, 0]), s.logits),
+        count=count, done=s.done | is_stop | rule_stop | (count >= budget_B),
+        stopped=s.stopped | is_stop, tokens=col(s.tokens, tok),
+        sample_logp=col(s.sample_logp, jnp.where(live, slp, 0.0)),
+        model_logp=col(s.model_logp, jnp.where(live, mlp, 0.0)), rules=progress)
 
-  init = dict(i=jnp.int32(0), k=cache.k, v=cache.v, lengths=cache.lengths,
-              logits=logits_BxV.astype(jnp.float32),
-              count=jnp.zeros((B,), jnp.int32), done=~active_B | (budget_B <= 0),
-              stopped=jnp.zeros((B,), bool), tokens=jnp.full((B, max_new), pad_id, jnp.int32),
-              slp=zeros_f, mlp=zeros_f)
-  s = jax.lax.while_loop(cond, body, init)
+  start = DecodeState.start(cache, logits_BxV, active_B, budget_B, max_new=max_new, pad_id=pad_id,
+                            rules=rules)
   # A finished row keeps its logits, so each row ends with those after its last cached token.
-  return (KVCache(s["k"], s["v"], s["lengths"], cache.layout), s["tokens"], s["count"], s["slp"],
-          s["mlp"], s["stopped"], s["logits"])
+  return jax.lax.while_loop(cond, body, start)
 
 
 def _check_ids(rows: Sequence[Sequence[int]], vocab: int) -> None:
@@ -157,6 +196,8 @@ class Sampler:
     self._append = jax.jit(_append_fn, static_argnames=("graphdef", "window"), donate_argnums=(2,))
     self._decode = jax.jit(_decode_fn, static_argnames=("graphdef", "window", "max_new", "pad_id"),
                            donate_argnums=(2,))
+    self._copy_rows = {}  # by the inputs' shardings: the copy keeps them (no resharding later)
+    self.calls = CallCounts()  # program calls, read by the trainer's step metrics
 
   def _on_mesh(self):
     """The sampler's mesh as the ambient one while its programs trace and run, unless the caller set
@@ -186,9 +227,12 @@ class Sampler:
 
   def prefill(self, params, cache: KVCache, rows: Sequence[Sequence[int]]):
     """Empties the cache and fills each row with its own tokens. Returns (cache, last logits [B, V])."""
-    return self.append(params, cache.with_lengths(np.zeros(cache.batch_size, np.int32)), rows)
+    self.calls.prefill()
+    return self.append(params, cache.with_lengths(np.zeros(cache.batch_size, np.int32)), rows,
+                       _kind="prefill")
 
-  def append(self, params, cache: KVCache, rows: Sequence[Sequence[int]], prev_logits=None):
+  def append(self, params, cache: KVCache, rows: Sequence[Sequence[int]], prev_logits=None,
+             _kind: str = "append"):
     """Appends rows[b] after row b's cached tokens (an empty list leaves the row untouched).
 
     Returns (cache, logits [B, V] at each row's last token; rows without new tokens keep prev_logits).
@@ -197,7 +241,7 @@ class Sampler:
     B = cache.batch_size
     if len(rows) != B:
       raise ValueError(f"append got {len(rows)} rows for a cache of batch {B}")
-    lengths = _host(cache.lengths)
+    lengths = host_array(cache.lengths)
     new = np.array([len(r) for r in rows])
     over = np.nonzero(lengths + new > self.max_len)[0]
     if over.size:
@@ -216,26 +260,51 @@ class Sampler:
         tokens[b, : len(p)] = p
       # The window covers what was cached before this chunk; the new tokens are their own segment.
       window = bucket(max(int(lengths.max()), 1), self.windows)
+      self.calls.append_chunk(_kind, T, window)
       with self._on_mesh():
         cache, logits = self._append(self.graphdef, params, cache, jnp.asarray(tokens), jnp.asarray(n),
                                      logits, window=window)
       lengths = lengths + n
     return cache, logits
 
+  def copy_rows(self, cache: KVCache, logits, sources: dict[int, int]):
+    """Returns (cache, logits) in which each row `dst` of `sources` is a copy of row `sources[dst]`
+    (its cached keys/values, length and last logits); other rows are unchanged. Rows sharing a
+    prefix then compute it once: prefill one row, copy it to the others."""
+    B = cache.batch_size
+    index = np.arange(B, dtype=np.int32)
+    for dst, src in sources.items():
+      if not (0 <= dst < B and 0 <= src < B):
+        raise ValueError(f"copy_rows: row {src} -> {dst} is outside the cache's {B} rows")
+      if src in sources and sources[src] != src:
+        raise ValueError(f"copy_rows: row {src} is both copied from and overwritten")
+      index[dst] = src
+    if (index == np.arange(B)).all():
+      return cache, logits
+    shardings = (jax.tree.map(lambda a: a.sharding, cache), logits.sharding)
+    key = tuple(jax.tree.leaves(shardings))
+    if key not in self._copy_rows:
+      self._copy_rows[key] = jax.jit(_copy_rows_fn, donate_argnums=(0,), out_shardings=shardings)
+    with self._on_mesh():
+      return self._copy_rows[key](cache, logits, jnp.asarray(index))
+
   def decode(self, params, cache: KVCache, logits, *, rng: jax.Array, max_new_tokens: int,
              sampling: SamplingParams | None = None, active: Sequence[bool] | None = None,
-             budget: Sequence[int] | None = None, reserve: int = 0) -> DecodeResult:
+             budget: Sequence[int] | None = None, reserve: int = 0,
+             stop_rules: StopRules | None = None) -> DecodeResult:
     """Samples up to max_new_tokens per active row, stopping each row at a stop id or its budget.
 
     `reserve` slots stay free after every row's reply (e.g. 1 to close a reply cut short with
-    <|im_end|>); the cache's end bounds the budget either way.
+    <|im_end|>); the cache's end bounds the budget either way. `stop_rules` (`stop_rules.StopRules`)
+    also end rows on token sequences or at the end of a labelled line, checked on device; the
+    result equals a decode without them truncated after each row's stopping token.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
         or max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     B = cache.batch_size
     sampling = sampling or SamplingParams.make()
-    lengths = _host(cache.lengths)
+    lengths = host_array(cache.lengths)
     if reserve < 0:
       raise ValueError(f"reserve must be >= 0, got {reserve}")
     for name, given in (("active", active), ("budget", budget)):
@@ -246,10 +315,13 @@ class Sampler:
     room = np.maximum(self.max_len - reserve - lengths, 0)  # never write past the cache
     budget = np.minimum(budget, room).astype(np.int32)
     window = bucket(int(max((lengths + np.where(active, budget, 0)).max(), 1)), self.windows)
+    if stop_rules is not None:
+      stop_rules.check(B, self.config.vocab_size)
+    tables = None if stop_rules is None else stop_rules.device()
     with self._on_mesh():
-      out = self._decode(self.graphdef, params, cache, logits, jnp.asarray(active), jnp.asarray(budget),
-                         self.stop_ids, rng, sampling, window=window, max_new=max_new_tokens,
-                         pad_id=self.pad_id)
-    cache, tokens, count, slp, mlp, stopped, last_logits = out
-    return DecodeResult(tokens=_host(tokens), num_tokens=_host(count), sample_logp=_host(slp),
-                        model_logp=_host(mlp), stopped=_host(stopped), cache=cache, logits=last_logits)
+      final: DecodeState = self._decode(
+          self.graphdef, params, cache, logits, jnp.asarray(active), jnp.asarray(budget), self.stop_ids,
+          rng, sampling, tables, window=window, max_new=max_new_tokens, pad_id=self.pad_id)
+    result = final.result()
+    self.calls.decode(window, int(result.num_tokens.max(initial=0)))
+    return result

@@ -15,9 +15,23 @@ import numpy as np
 
 from jax.sharding import PartitionSpec as P
 
-from rlver_jax.sharding import DEFAULT_RULES
+from rlver_jax.parallel.sharding import DEFAULT_RULES
 
 _NEG = -1e30
+
+
+def sampling_needs(temperature: float, top_p: float, top_k: int) -> dict[str, str]:
+  """The settings out of range, each with what it must be (empty: all usable). The one statement of
+  these ranges: `SamplingParams.make` and the run spec (which names the config key) both use it."""
+  integer_k = isinstance(top_k, (int, np.integer)) and not isinstance(top_k, bool)
+  needs = {}
+  if not 0 <= temperature < float("inf"):  # a plain comparison with NaN is False: refused too
+    needs["temperature"] = ">= 0 (0 = greedy)"
+  if not 0 < top_p <= 1:
+    needs["top_p"] = "in (0, 1]"
+  if not integer_k or top_k < 0:
+    needs["top_k"] = "an integer >= 0 (0 = off)"
+  return needs
 
 
 @jax.tree_util.register_dataclass
@@ -29,9 +43,7 @@ class SamplingParams:
 
   @staticmethod
   def make(temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> "SamplingParams":
-    # `not (x >= 0)` also refuses NaN, which every plain comparison lets through.
-    integer_k = isinstance(top_k, (int, np.integer)) and not isinstance(top_k, bool)
-    if not (0 <= temperature < float("inf")) or not 0 < top_p <= 1 or not integer_k or top_k < 0:
+    if sampling_needs(temperature, top_p, top_k):
       raise ValueError(f"bad sampling settings: temperature={temperature} (>= 0), top_p={top_p} "
                        f"(in (0, 1]), top_k={top_k!r} (an integer >= 0)")
     # Any k at or past the vocabulary keeps everything; int32 is the traced type.
@@ -101,6 +113,47 @@ def _smallest_kept(logits: jax.Array, keys: jax.Array, cut_key: jax.Array) -> ja
   return jnp.min(jnp.where(keys >= cut_key[:, None], logits, jnp.inf), axis=-1)
 
 
+def _cut_top_k(state, top_k: jax.Array, n: int):
+  """(logits, candidates) with everything below each row's k-th largest logit masked: the cut from
+  the candidates when k <= n, else by bisection (the smallest key t with count(keys > t) < k is the
+  k-th largest's key)."""
+  logits, top = state
+  k = jnp.clip(top_k, 1, logits.shape[-1])
+
+  def by_bisection(_):
+    keys = _order_keys(logits)
+    kth = _smallest_key_where(keys, lambda t: jnp.sum(keys > t[:, None], axis=-1) < k)
+    return _smallest_kept(logits, keys, kth)
+
+  cut = jax.lax.cond(k <= n, lambda _: jax.lax.dynamic_index_in_dim(top, k - 1, 1, False),
+                     by_bisection, None)
+  return jnp.where(logits >= cut[:, None], logits, _NEG), jnp.where(top >= cut[:, None], top, _NEG)
+
+
+def _cut_top_p(state, top_p: jax.Array) -> jax.Array:
+  """The logits with everything outside each row's top-p nucleus masked."""
+  logits, top = state
+  mass = jnp.exp(top - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
+  # Mass of the candidates ahead of each one (an exclusive sum: no subtraction to round).
+  before = jnp.cumsum(jnp.pad(mass[:, :-1], ((0, 0), (1, 0))), axis=-1)
+  # The cut is the last candidate with mass ahead < top_p, if a later candidate has mass ahead >= it.
+  inside = jnp.all(before[:, -1] >= top_p)
+
+  def from_candidates(_):
+    last = jnp.sum(before < top_p, axis=-1) - 1
+    return jnp.take_along_axis(top, last[:, None], axis=-1)[:, 0]
+
+  def by_bisection(_):  # keep p_i when mass(p > p_i) < top_p; that mass only shrinks as t grows
+    probs = jax.nn.softmax(logits, axis=-1)
+    keys = _order_keys(probs)
+    cut = _smallest_key_where(
+        keys, lambda t: jnp.sum(jnp.where(keys > t[:, None], probs, 0.0), axis=-1) < top_p)
+    return _smallest_kept(logits, keys, cut)
+
+  cut = jax.lax.cond(inside, from_candidates, by_bisection, None)
+  return jnp.where(logits >= cut[:, None], logits, _NEG)
+
+
 def filter_logits(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
   """Masks tokens outside the top-k and outside the top-p nucleus (logits already temperature-scaled).
 
@@ -120,49 +173,14 @@ def filter_logits(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
   n = min(_CANDIDATES, V // _vocab_split(*logits_BxV.shape)[2])
   logits = logits_BxV.astype(jnp.float32)
 
-  def cut_top_k(state):
-    logits, top = state
-    k = jnp.clip(top_k, 1, V)
-
-    def by_bisection(_):  # the smallest key t with count(keys > t) < k is the k-th largest's key
-      keys = _order_keys(logits)
-      kth = _smallest_key_where(keys, lambda t: jnp.sum(keys > t[:, None], axis=-1) < k)
-      return _smallest_kept(logits, keys, kth)
-
-    cut = jax.lax.cond(k <= n, lambda _: jax.lax.dynamic_index_in_dim(top, k - 1, 1, False),
-                       by_bisection, None)
-    return jnp.where(logits >= cut[:, None], logits, _NEG), jnp.where(top >= cut[:, None], top, _NEG)
-
-  def cut_top_p(state):
-    logits, top = state
-    mass = jnp.exp(top - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
-    # Mass of the candidates ahead of each one (an exclusive sum: no subtraction to round).
-    before = jnp.cumsum(jnp.pad(mass[:, :-1], ((0, 0), (1, 0))), axis=-1)
-    # The cut is the last candidate with mass ahead < top_p, if a later candidate has mass ahead >= it.
-    inside = jnp.all(before[:, -1] >= top_p)
-
-    def from_candidates(_):
-      last = jnp.sum(before < top_p, axis=-1) - 1
-      return jnp.take_along_axis(top, last[:, None], axis=-1)[:, 0]
-
-    def by_bisection(_):  # keep p_i when mass(p > p_i) < top_p; that mass only shrinks as t grows
-      probs = jax.nn.softmax(logits, axis=-1)
-      keys = _order_keys(probs)
-      cut = _smallest_key_where(
-          keys, lambda t: jnp.sum(jnp.where(keys > t[:, None], probs, 0.0), axis=-1) < top_p)
-      return _smallest_kept(logits, keys, cut)
-
-    cut = jax.lax.cond(inside, from_candidates, by_bisection, None)
-    return jnp.where(logits >= cut[:, None], logits, _NEG)
-
   def filtered(logits):
     # Candidates only where a cut may come from them; a top_k above n alone bisects without them.
     wanted = ((top_k > 0) & (top_k <= n)) | (top_p < 1.0)
     top = jax.lax.cond(wanted, lambda x: _top_values(x, n),
                        lambda x: jnp.full(x.shape[:1] + (n,), _NEG, x.dtype), logits)
     state = (logits, top)
-    state = jax.lax.cond(top_k > 0, cut_top_k, lambda s: s, state)
-    return jax.lax.cond(top_p < 1.0, cut_top_p, lambda s: s[0], state)
+    state = jax.lax.cond(top_k > 0, lambda s: _cut_top_k(s, top_k, n), lambda s: s, state)
+    return jax.lax.cond(top_p < 1.0, lambda s: _cut_top_p(s, top_p), lambda s: s[0], state)
 
   logits = jax.lax.cond((top_k > 0) | (top_p < 1.0), filtered, lambda x: x, logits)
   return logits.astype(logits_BxV.dtype)

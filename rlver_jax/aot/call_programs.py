@@ -1,0 +1,100 @@
+"""One call of each program of a training step, at a chosen shape, for the step-time model.
+
+Unlike `aot.programs` (the largest shapes, for the memory plan), these fix what a call's cost depends
+on: the layer count (the model compiles at 2 and 3 layers and the cost is extrapolated, see
+`aot.step_time`), an append's token bucket T and attended window W, a decode's window W, and an update
+or scoring micro-batch's rows x length. Each builder returns `(jitted_fn, abstract_args)` like a
+registered program. The cache layout is the target's (TPU slots-major unless told).
+
+Shape legend: B rows, T tokens, V vocabulary, W attended window.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+from jax.sharding import Mesh
+
+from rlver_jax.aot import programs as ap
+from rlver_jax.rl.batch import UpdateBatch
+from rlver_jax.rl.update import token_logprobs_and_entropy
+from rlver_jax.sampling.strategies import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerShape:
+  """A sampler program's static shape: the model, cache rows and slots, its layout."""
+  model: ml_collections.ConfigDict   # as `aot.programs.policy_model` / `simulator_model` give it
+  rows: int
+  max_len: int
+  max_new: int
+  layout: str = ap.TPU_CACHE_LAYOUT
+
+
+def with_layers(model: ml_collections.ConfigDict, layers: int) -> ml_collections.ConfigDict:
+  """`model` (an aot model description) with `layers` layers of the same widths."""
+  out = copy.deepcopy(model)
+  with out.unlocked():
+    out.preset = f"{model.preset.partition(':')[0]}:{layers}"
+  return out
+
+
+def append_call(shape: SamplerShape, tokens: int, window: int, mesh: Mesh):
+  """`Sampler.append` of one chunk of `tokens` (a bucket) per row after a cache read through `window`."""
+  sampler, params, cache = ap.sampler_inputs(shape.model, shape.rows, shape.max_len, mesh, shape.layout)
+  V = ap.model_config(shape.model).vocab_size
+  args = (params, cache, ap.abstract_array((shape.rows, tokens), jnp.int32, ("batch", "seq"), mesh),
+          ap.abstract_array((shape.rows,), jnp.int32, ("batch",), mesh),
+          ap.abstract_array((shape.rows, V), jnp.float32, ("batch", "act_vocab"), mesh))
+  return ap.Bound(sampler._append, (sampler.graphdef,), dict(window=window)), args
+
+
+def decode_call(shape: SamplerShape, window: int, mesh: Mesh):
+  """`Sampler.decode` at `window`: its loop body (one token per row) is what XLA's cost counts once."""
+  sampler, params, cache = ap.sampler_inputs(shape.model, shape.rows, shape.max_len, mesh, shape.layout)
+  V = ap.model_config(shape.model).vocab_size
+  row = lambda dtype: ap.abstract_array((shape.rows,), dtype, ("batch",), mesh)
+  args = (params, cache, ap.abstract_array((shape.rows, V), jnp.float32, ("batch", "act_vocab"), mesh),
+          row(jnp.bool_), row(jnp.int32),
+          *ap._replicated(mesh, (sampler.stop_ids, jax.random.key(0), SamplingParams.make())))
+  static = dict(window=window, max_new=shape.max_new, pad_id=sampler.pad_id)
+  return ap.Bound(sampler._decode, (sampler.graphdef,), static), args
+
+
+def _policy_layers(config: ml_collections.ConfigDict, layers: int) -> ml_collections.ConfigDict:
+  out = copy.deepcopy(config)
+  with out.unlocked():
+    out.policy.preset = with_layers(ml_collections.ConfigDict({"preset": config.policy.preset}),
+                                    layers).preset
+  return out
+
+
+def update_call(config: ml_collections.ConfigDict, mesh: Mesh, *, rows: int, length: int, critic: bool,
+                layers: int):
+  """`Updater`'s step on one micro-batch of `rows` x `length` (one gradient + one optimizer update)."""
+  config = _policy_layers(config, layers)
+  fn, (params, opt_state, _) = ap.update_program(config, mesh, critic=critic)
+  batch = UpdateBatch.abstract((1, rows, length), mesh,
+                               ref_logp=config.rl.kl_coef > 0 and not config.rl.kl_in_reward,
+                               values=config.algo == "ppo")
+  return fn, (params, opt_state, batch)
+
+
+def forward_call(config: ml_collections.ConfigDict, mesh: Mesh, *, rows: int, length: int,
+                 layers: int):
+  """The scoring pass of one micro-batch (old / reference log-probs), as the trainer runs it."""
+  config = _policy_layers(config, layers)
+  model = ap.policy_model(config)
+  graphdef, params = ap.abstract_params(model, mesh)
+  chunk = config.rl.logits_chunk
+  tokens = ap.abstract_array((rows, length), jnp.int32, ("batch", "seq"), mesh)
+
+  @jax.jit
+  def logprobs(params, tokens, segments):
+    return token_logprobs_and_entropy(nnx.merge(graphdef, params), tokens, segments, chunk)[0]
+
+  return logprobs, (params, tokens, tokens)

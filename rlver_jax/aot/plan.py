@@ -1,0 +1,238 @@
+"""The whole-run memory plan of a training config: its programs, and what is resident in each phase.
+
+A training step has two phases on one mesh, and the trainer keeps its whole state on device through
+both (`train.Trainer.state`, the simulator backend's cache):
+
+  rollout  policy params + policy optimizer state (+ critic params + critic optimizer state for PPO)
+           (+ reference params when rl.kl_coef > 0) + simulator params + policy KV cache + simulator
+           KV cache, plus the largest private need of one sampler program
+  update   the same without the policy KV cache (it belongs to the rollout and is dropped after it;
+           the simulator backend keeps its cache between steps), plus the largest private need of one
+           update program
+
+A program's private need is what it adds to the resident state while it runs: temporaries + outputs
+not aliased to (donated) arguments + generated code + its non-state inputs (token ids, logits, the
+update's mini-batch). Run programs take their state as their first two arguments, so their state
+arguments are not counted twice. Resident sizes are per-device shard sizes of the abstract arrays;
+the run total is the larger phase.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Protocol, Sequence
+
+import jax
+import ml_collections
+from jax.sharding import Mesh
+
+from rlver_jax.aot import programs as ap
+from rlver_jax.spec import RunSpec
+from rlver_jax.models.presets import param_dtype_of
+from rlver_jax.rl.update import make_optimizer
+
+SAMPLER_KINDS = ("prefill", "append", "decode")
+
+
+class Row(Protocol):
+  """What the plan reads from a compiled program's memory row (`aot.MemoryRow`)."""
+  program: str
+  error: str | None
+  argument_bytes: int | None
+  total_bytes: int | None
+  input_bytes: tuple[int, ...]
+
+
+def is_run_config(config: ml_collections.ConfigDict) -> bool:
+  """A training config (configs/base.py) rather than an AOT config naming its programs."""
+  return "programs" not in config and "algo" in config and "policy" in config
+
+
+def has_simulator(config: ml_collections.ConfigDict) -> bool:
+  return config.simulator.backend == "model"
+
+
+def rollout_programs(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  roles = ("policy", "simulator") if has_simulator(config) else ("policy",)
+  return tuple(f"{role}_{kind}" for role in roles for kind in SAMPLER_KINDS)
+
+
+def update_programs(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  if config.algo == "grpo":
+    return ("grpo_update",)
+  if config.algo == "ppo":
+    return ("ppo_policy_update", "ppo_critic_update")
+  raise ValueError(f"config.algo: unknown algorithm {config.algo!r} (expected grpo or ppo)")
+
+
+def run_programs(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """Every program one training step runs, compiled at the config's real shapes."""
+  return rollout_programs(config) + update_programs(config)
+
+
+def search_order(names: Sequence[str]) -> list[str]:
+  """Likely biggest first, so a search gives up after few compiles: updates, simulator, policy."""
+  rank = lambda n: 2 if n.startswith("policy_") else 1 if n.startswith("simulator_") else 0
+  return sorted(names, key=rank)
+
+
+# -- sizes ---------------------------------------------------------------------------------------
+
+
+def _leaf_bytes(x: jax.ShapeDtypeStruct) -> int:
+  shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    itemsize = 8  # a threefry key is two uint32
+  else:
+    itemsize = x.dtype.itemsize
+  return math.prod(shape) * itemsize
+
+
+def per_device_bytes(tree: Any) -> int:
+  """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (no layout padding)."""
+  return sum(_leaf_bytes(x) for x in jax.tree.leaves(tree))
+
+
+def _params_and_optimizer(config, mesh: Mesh, critic: bool) -> tuple[int, int]:
+  _, params = ap.abstract_params(ap.policy_model(config), mesh, head="value" if critic else "lm")
+  optimizer = make_optimizer(RunSpec.from_config(config).optim.optim_config(critic=critic))
+  return per_device_bytes(params), per_device_bytes(ap.abstract_opt_state(optimizer, params, mesh))
+
+
+def _cache_bytes(config, mesh: Mesh, role: str) -> int:
+  model = ap.policy_model(config) if role == "policy" else ap.simulator_model(config)
+  section = config.policy if role == "policy" else config.simulator
+  dtype = param_dtype_of(model.dtype)
+  return per_device_bytes(ap.abstract_cache(ap.model_config(model), ap.rollout_rows(config, mesh),
+                                            section.max_context, dtype, mesh))
+
+
+def resident_state(config: ml_collections.ConfigDict, mesh: Mesh) -> dict[str, dict[str, int]]:
+  """Per phase: {piece: per-device bytes} of the state that stays on device through it."""
+  params, opt = _params_and_optimizer(config, mesh, critic=False)
+  common = {"policy params": params, "policy optimizer": opt}
+  if config.algo == "ppo":
+    common["critic params"], common["critic optimizer"] = _params_and_optimizer(config, mesh, True)
+  if config.rl.kl_coef > 0:
+    common["reference params"] = params
+  if has_simulator(config):
+    _, sim = ap.abstract_params(ap.simulator_model(config), mesh)
+    common["simulator params"] = per_device_bytes(sim)
+    common["simulator KV cache"] = _cache_bytes(config, mesh, "simulator")
+  rollout = dict(common, **{"policy KV cache": _cache_bytes(config, mesh, "policy")})
+  return {"rollout": rollout, "update": common}
+
+
+def private_bytes(row: Row) -> int | None:
+  """What a compiled run program adds to the resident state; None if it did not compile."""
+  if row.error is not None:
+    return None
+  return row.total_bytes - row.argument_bytes + sum(row.input_bytes[2:])
+
+
+# -- phases --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+  """One phase's per-device memory: resident state plus the largest program's private need."""
+  name: str
+  state: tuple[tuple[str, int], ...]
+  program: str
+  private_bytes: int | None   # None: some program of the phase did not compile (out of HBM)
+  hbm_bytes: int
+
+  @property
+  def state_bytes(self) -> int:
+    return sum(b for _, b in self.state)
+
+  @property
+  def total_bytes(self) -> int | None:
+    return None if self.private_bytes is None else self.state_bytes + self.private_bytes
+
+  @property
+  def fits(self) -> bool:
+    return self.total_bytes is not None and self.total_bytes <= self.hbm_bytes
+
+
+class Plan:
+  """The memory plan of one training config on one mesh: resident state per phase, then phases."""
+
+  def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh, hbm_bytes: int):
+    self.hbm_bytes = hbm_bytes
+    self.state = resident_state(config, mesh)
+    self.programs = {"rollout": rollout_programs(config), "update": update_programs(config)}
+
+  def phase_of(self, program: str) -> str:
+    return next(name for name, programs in self.programs.items() if program in programs)
+
+  def state_misfit(self, programs: Sequence[str]) -> str | None:
+    """Why the resident state of a phase these programs run in cannot fit on its own, if it cannot."""
+    for name in dict.fromkeys(self.phase_of(p) for p in programs):
+      state = sum(self.state[name].values())
+      if state > self.hbm_bytes:
+        return f"{name} resident state {gib(state)} GiB alone exceeds HBM"
+    return None
+
+  def row_misfit(self, row: Row) -> str | None:
+    """Why one compiled program cannot fit next to its phase's resident state, if it cannot."""
+    private = private_bytes(row)
+    if private is None:
+      return f"{row.program} is out of HBM on its own"
+    state = sum(self.state[self.phase_of(row.program)].values())
+    if state + private > self.hbm_bytes:
+      return (f"{row.program} adds {gib(private)} GiB to {gib(state)} GiB resident, "
+              f"{gib(state + private)} GiB in all")
+    return None
+
+  def phases(self, rows: Sequence[Row]) -> tuple[Phase, ...]:
+    """The phases all of whose programs are among `rows`."""
+    by_name = {r.program: r for r in rows}
+    out = []
+    for name, programs in self.programs.items():
+      if not all(p in by_name for p in programs):
+        continue
+      private = {p: private_bytes(by_name[p]) for p in programs}
+      known = {p: b for p, b in private.items() if b is not None}
+      worst = max(known, key=known.get) if known else programs[0]
+      need = known[worst] if len(known) == len(private) else None
+      out.append(Phase(name, tuple(self.state[name].items()), worst, need, self.hbm_bytes))
+    return tuple(out)
+
+
+def run_total(phases: Sequence[Phase]) -> Phase | None:
+  """The phase that needs the most memory (the run's peak): None unless both phases are there."""
+  if len(phases) < 2:
+    return None
+  unknown = [p for p in phases if p.total_bytes is None]
+  return unknown[0] if unknown else max(phases, key=lambda p: p.total_bytes)
+
+
+# -- output --------------------------------------------------------------------------------------
+
+
+def gib(n: int | None) -> str:
+  """Bytes as GiB with two decimals; "-" for None (a program that did not compile)."""
+  return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def phase_row(p: Phase, topology: str, mesh: str) -> tuple[str, ...]:
+  """A phase as a row of aot's table: args = resident state, temps = the program's private need."""
+  fits = "yes" if p.fits else "no" if p.total_bytes is not None else "no (a program is out of HBM)"
+  return (f"{p.name} phase: resident state + {p.program}", topology, mesh, gib(p.state_bytes), "-",
+          gib(p.private_bytes), gib(p.total_bytes), gib(p.hbm_bytes), fits)
+
+
+def format_run_total(phases: Sequence[Phase], topology: str, mesh: str) -> str:
+  """What each phase keeps resident and its largest program, then the run total per device."""
+  lines = []
+  for p in phases:
+    pieces = " + ".join(f"{name} {gib(b)}" for name, b in p.state)
+    lines.append(f"{p.name}: resident {pieces} = {gib(p.state_bytes)} GiB; its largest program "
+                 f"{p.program} adds {gib(p.private_bytes)} GiB")
+  peak = run_total(phases)
+  if peak is not None:
+    verdict = "fits" if peak.fits else "does not fit"
+    lines.append(f"run total per device on {topology} (mesh {mesh}): {gib(peak.total_bytes)} GiB "
+                 f"({peak.name} phase) of {gib(peak.hbm_bytes)} GiB HBM: {verdict}")
+  return "\n".join(lines)

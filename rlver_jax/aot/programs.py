@@ -1,0 +1,298 @@
+"""Programs that `rlver_jax.aot` compiles ahead of time, and the abstract inputs they need.
+
+A program is a function `(config, mesh) -> (jitted_fn, abstract_args)`: it reads its own section of
+the ConfigDict, builds a `jax.jit`-wrapped function and a tuple of ShapeDtypeStruct pytrees (sharded on
+`mesh`) such that `jitted_fn.lower(*abstract_args)` lowers it. Nothing is allocated. A new program is one
+function plus one entry in `PROGRAMS`; a config names the programs it wants in `config.programs`.
+
+`forward` reads an aot config (`configs/aot_forward.py`). The run programs (sampler and update steps)
+read a training config (`configs/grpo_think.py`, ...) and compile the trainer's own jitted functions:
+`Sampler`'s append/decode and `Updater`'s step. Run programs take their resident state (params and KV
+cache, or params and optimizer state) as their first two arguments; `rlver_jax.aot.plan` relies on it.
+
+Shape legend: B batch, T tokens, V vocabulary, S cache slots, M micro-batches.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rlver_jax.spec import RunSpec
+from rlver_jax.models.factory import abstract_model, state_shardings
+from rlver_jax.models.presets import Qwen2Config, get_preset, param_dtype_of
+from rlver_jax.models.qwen2 import Head, Qwen2
+from rlver_jax.parallel.sharding import DEFAULT_RULES, ShardingRules, batch_shards, padded_batch
+from rlver_jax.rl.batch import BatchLayout, UpdateBatch
+from rlver_jax.rl.update import Updater, make_optimizer, opt_state_shardings
+from rlver_jax.sampling.kv_cache import KVCache, default_layout
+from rlver_jax.sampling.sampler import DEFAULT_APPEND_BUCKETS, Sampler, bucket
+from rlver_jax.sampling.strategies import SamplingParams
+
+Program = Callable[[ml_collections.ConfigDict, Mesh], tuple[Callable[..., Any], tuple[Any, ...]]]
+
+# A typical turn appended to a dialogue (a user reply plus headers), in tokens.
+TYPICAL_TURN_TOKENS = 256
+
+
+def model_config(model: ml_collections.ConfigDict) -> Qwen2Config:
+  """The architecture named by `model.preset`; "NAME:L" or `model.num_layers` gives it L layers."""
+  name, _, layers = model.preset.partition(":")
+  config = get_preset(name)
+  num_layers = int(layers) if layers else model.get("num_layers")
+  if num_layers is not None:
+    config = dataclasses.replace(config, num_layers=num_layers)
+  return config
+
+
+def abstract_array(shape: Sequence[int], dtype, logical_axes: Sequence[str | None], mesh: Mesh,
+                   rules: ShardingRules = DEFAULT_RULES) -> jax.ShapeDtypeStruct:
+  """An input placeholder sharded by the logical-axis rules."""
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=rules.sharding(mesh, logical_axes, shape))
+
+
+def _module(model: ml_collections.ConfigDict, head: Head = "lm") -> Qwen2:
+  return abstract_model(model_config(model), head=head, param_dtype=param_dtype_of(model.param_dtype),
+                        dtype=param_dtype_of(model.dtype), remat=model.remat)
+
+
+def _with_shardings(tree, shardings):
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
+
+
+def abstract_params(model: ml_collections.ConfigDict, mesh: Mesh, *, head: Head = "lm",
+                    rules: ShardingRules = DEFAULT_RULES) -> tuple[nnx.GraphDef, nnx.State]:
+  """(graphdef, state) of the model described by `model`; state leaves are sharded ShapeDtypeStructs."""
+  graphdef, state = nnx.split(_module(model, head))
+  return graphdef, _with_shardings(state, state_shardings(state, mesh, rules))
+
+
+def forward(config: ml_collections.ConfigDict, mesh: Mesh):
+  """Full-sequence forward: (params, input_ids [B, T]) -> fp32 logits [B, T, V]."""
+  graphdef, state = abstract_params(config.model, mesh)
+  B, T = config.forward.batch_size, config.forward.seq_len
+  input_ids = abstract_array((B, T), jnp.int32, ("batch", "seq"), mesh)
+
+  @jax.jit
+  def run(state, input_ids):
+    return nnx.merge(graphdef, state)(input_ids)
+
+  return run, (state, input_ids)
+
+
+# -- sampler programs: a model + a batch of dialogues + a cache length -------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+  """A jitted function with its leading static argument and static keywords fixed."""
+  fn: Any
+  head: tuple[Any, ...]
+  static: dict[str, Any]
+
+  def lower(self, *args):
+    return self.fn.lower(*self.head, *args, **self.static)
+
+
+def _replicated(mesh: Mesh, tree):
+  """Placeholders like the leaves of `tree` (arrays or ShapeDtypeStructs), whole on every device."""
+  whole = NamedSharding(mesh, PartitionSpec())
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), tree)
+
+
+# The programs are compiled for TPU while this process's backend is the CPU: name the layout.
+TPU_CACHE_LAYOUT = default_layout("tpu")
+
+
+def abstract_cache(config: Qwen2Config, batch: int, max_len: int, dtype, mesh: Mesh,
+                   layout=TPU_CACHE_LAYOUT) -> KVCache:
+  """The sampler's KV cache as sharded ShapeDtypeStructs, in the TPU layout unless told."""
+  return _with_shardings(KVCache.shapes(config, batch, max_len, dtype, layout),
+                         KVCache.shardings(config, batch, max_len, dtype, mesh, layout=layout))
+
+
+def sampler_inputs(model: ml_collections.ConfigDict, batch: int, max_len: int, mesh: Mesh,
+                   layout=TPU_CACHE_LAYOUT):
+  """(sampler, params, cache): the trainer's Sampler on the abstract model, with sharded inputs."""
+  module = _module(model)
+  config = model_config(model)
+  stop_ids = config.eos_token_id if isinstance(config.eos_token_id, tuple) else (0,)
+  buckets = model.get("append_buckets") or DEFAULT_APPEND_BUCKETS
+  sampler = Sampler(module, max_len=max_len, stop_ids=stop_ids, pad_id=config.pad_token_id or 0,
+                    append_buckets=buckets, mesh=mesh, cache_layout=layout)
+  _, params = abstract_params(model, mesh)
+  return sampler, params, abstract_cache(config, batch, max_len, sampler.cache_dtype, mesh, layout)
+
+
+def append_program(model: ml_collections.ConfigDict, batch: int, max_len: int, tokens: int,
+                   mesh: Mesh):
+  """`Sampler.append` of `tokens` per row (bucketed, at most one chunk), attending the full window."""
+  sampler, params, cache = sampler_inputs(model, batch, max_len, mesh)
+  T = bucket(min(tokens, max_len, sampler.append_buckets[-1]), sampler.append_buckets)
+  V = model_config(model).vocab_size
+  args = (params, cache, abstract_array((batch, T), jnp.int32, ("batch", "seq"), mesh),
+          abstract_array((batch,), jnp.int32, ("batch",), mesh),
+          abstract_array((batch, V), jnp.float32, ("batch", "act_vocab"), mesh))
+  return Bound(sampler._append, (sampler.graphdef,), dict(window=sampler.windows[-1])), args
+
+
+def prefill_program(model: ml_collections.ConfigDict, batch: int, max_len: int, mesh: Mesh):
+  """The largest append chunk (the prefill's, or a long turn's late in a dialogue) at the full window.
+
+  A prefill onto an empty cache attends a small window; the same chunk appended to a nearly full
+  cache attends all of it. Compiling the latter bounds both. (`append_program` caps the chunk at
+  the largest append bucket.)
+  """
+  return append_program(model, batch, max_len, max_len, mesh)
+
+
+def decode_program(model: ml_collections.ConfigDict, batch: int, max_len: int, max_new: int,
+                   mesh: Mesh):
+  """`Sampler.decode` of up to `max_new` tokens per row, attending the full cache window."""
+  sampler, params, cache = sampler_inputs(model, batch, max_len, mesh)
+  V = model_config(model).vocab_size
+  row = lambda dtype: abstract_array((batch,), dtype, ("batch",), mesh)
+  args = (params, cache, abstract_array((batch, V), jnp.float32, ("batch", "act_vocab"), mesh),
+          row(jnp.bool_), row(jnp.int32),
+          *_replicated(mesh, (sampler.stop_ids, jax.random.key(0), SamplingParams.make())))
+  static = dict(window=sampler.windows[-1], max_new=max_new, pad_id=sampler.pad_id)
+  return Bound(sampler._decode, (sampler.graphdef,), static), args
+
+
+# -- the run's models and batch, read from a training config -----------------------------------------
+
+
+def policy_model(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The policy (and critic) as the AOT tool describes a model: fp32 master params, bf16 compute."""
+  p = config.policy
+  return ml_collections.ConfigDict(dict(preset=p.preset, param_dtype=p.param_dtype,
+                                        dtype=p.compute_dtype, remat=p.remat,
+                                        append_buckets=tuple(p.append_buckets)))
+
+
+def simulator_model(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The co-located simulator: frozen, params and compute in `simulator.dtype`, no remat."""
+  s = config.simulator
+  return ml_collections.ConfigDict(dict(preset=s.preset, param_dtype=s.dtype, dtype=s.dtype,
+                                        remat="none", append_buckets=tuple(s.append_buckets)))
+
+
+def num_dialogues(config: ml_collections.ConfigDict) -> int:
+  return config.rl.profiles_per_step * config.rl.group_size
+
+
+def num_samples(config: ml_collections.ConfigDict) -> int:
+  """Training rows per step, at most: one per policy turn when thoughts are dropped, else per dialogue."""
+  per_dialogue = config.simulator.max_turns if config.policy.think and not config.policy.keep_thoughts else 1
+  return num_dialogues(config) * per_dialogue
+
+
+def micro_batch_rows(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> int:
+  """Global rows of one micro-batch: `rl.micro_batch_size` per batch shard (as `Trainer.make_batch`)."""
+  return config.rl.micro_batch_size * (1 if mesh is None else batch_shards(mesh))
+
+
+def batch_layout(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> BatchLayout:
+  """The largest batch a step can make: the most samples, each a full context (the trainer lays
+  out its real batch with the same `BatchLayout.for_step`)."""
+  return BatchLayout.for_step(num_samples(config), config.policy.max_context,
+                              micro_batch_rows(config, mesh),
+                              mini_batch_rows=RunSpec.from_config(config).rl.rows_per_mini_batch,
+                              mini_batches=config.rl.mini_batches)
+
+
+def mini_batches(config: ml_collections.ConfigDict) -> int:
+  """Optimizer updates per epoch at the most samples a step can have."""
+  return batch_layout(config).mini_batches
+
+
+def micro_batches(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> int:
+  """M of one update step: the packed rows over micro- and mini-batches."""
+  return batch_layout(config, mesh).update_shape[0]
+
+
+def packed_length(config: ml_collections.ConfigDict) -> int:
+  """The longest packed training length (a full context up to its bucket)."""
+  return batch_layout(config).length
+
+
+def rollout_rows(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> int:
+  """KV-cache rows of a training rollout: the dialogues, padded to the batch shards like
+  `Sampler.padded_rows`."""
+  return padded_batch(num_dialogues(config), mesh)
+
+
+def _sampler_role(config: ml_collections.ConfigDict, role: str, mesh: Mesh | None = None):
+  section = config.policy if role == "policy" else config.simulator
+  model = policy_model(config) if role == "policy" else simulator_model(config)
+  return model, rollout_rows(config, mesh), section.max_context, section.max_new_tokens
+
+
+def run_prefill(config, mesh, *, role: str):
+  model, batch, max_len, _ = _sampler_role(config, role, mesh)
+  return prefill_program(model, batch, max_len, mesh)
+
+
+def run_append(config, mesh, *, role: str):
+  model, batch, max_len, _ = _sampler_role(config, role, mesh)
+  return append_program(model, batch, max_len, TYPICAL_TURN_TOKENS, mesh)
+
+
+def run_decode(config, mesh, *, role: str):
+  model, batch, max_len, max_new = _sampler_role(config, role, mesh)
+  return decode_program(model, batch, max_len, max_new, mesh)
+
+
+# -- update programs ---------------------------------------------------------------------------------
+
+
+def abstract_opt_state(optimizer: optax.GradientTransformation, params, mesh: Mesh):
+  """Optimizer state shaped by `optimizer.init`; param-like leaves take the params' shardings."""
+  state = jax.eval_shape(optimizer.init, params)
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
+                      opt_state_shardings(optimizer, params, mesh))
+
+
+def abstract_batch(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> UpdateBatch:
+  """One mini-batch of the largest step as `Updater`'s jitted step receives it."""
+  return UpdateBatch.abstract(batch_layout(config, mesh).update_shape, mesh,
+                              ref_logp=config.rl.kl_coef > 0 and not config.rl.kl_in_reward,
+                              values=config.algo == "ppo")
+
+
+def batch_keys(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The arrays of the update's batch, in `UpdateBatch`'s field order."""
+  return tuple(abstract_batch(config).arrays())
+
+
+def update_program(config: ml_collections.ConfigDict, mesh: Mesh, *, critic: bool):
+  """`Updater`'s jitted step: (params, optimizer state, batch) -> (params, state, metrics), donated."""
+  head: Head = "value" if critic else "lm"
+  model = policy_model(config)
+  optimizer = make_optimizer(RunSpec.from_config(config).optim.optim_config(critic=critic))
+  updater = Updater(_module(model, head), optimizer, "value" if critic else "policy",
+                    RunSpec.from_config(config).loss_config())
+  _, params = abstract_params(model, mesh, head=head)
+  return updater._step, (params, abstract_opt_state(optimizer, params, mesh),
+                         abstract_batch(config, mesh))
+
+
+PROGRAMS: dict[str, Program] = {
+    "forward": forward,
+    "policy_prefill": functools.partial(run_prefill, role="policy"),
+    "policy_append": functools.partial(run_append, role="policy"),
+    "policy_decode": functools.partial(run_decode, role="policy"),
+    "simulator_prefill": functools.partial(run_prefill, role="simulator"),
+    "simulator_append": functools.partial(run_append, role="simulator"),
+    "simulator_decode": functools.partial(run_decode, role="simulator"),
+    "grpo_update": functools.partial(update_program, critic=False),
+    "ppo_policy_update": functools.partial(update_program, critic=False),
+    "ppo_critic_update": functools.partial(update_program, critic=True),
+}

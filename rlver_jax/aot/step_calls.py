@@ -1,0 +1,149 @@
+"""The program calls of one training step, in the keys the trainer logs (`train.call_metrics`):
+read from a recorded metrics.jsonl row, or laid out from stated lengths for a lockstep rollout.
+
+Keys (without the `calls/` prefix of metrics.jsonl): `policy/append/T64/W512` and
+`policy/prefill/T1024/W64` (calls of an append chunk of T tokens at window W), `policy/decode_steps/W512`
+(decode loop iterations at window W), the same under `simulator/`, and `update/micro_batches`,
+`update/rows`, `update/length`, `forward/micro_batches` (see `train.call_metrics`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Iterator
+
+import ml_collections
+
+from rlver_jax.aot import programs as ap
+from rlver_jax.rl.batch import BatchLayout
+from rlver_jax.sampling.sampler import bucket, window_buckets
+from rlver_jax.spec import RunSpec
+
+Calls = dict[str, float]
+
+
+def calls_from_metrics(path: str, step: int | None = None) -> tuple[Calls, dict[str, float]]:
+  """(calls, the row's measured seconds) of `step` (default: the last row) of a metrics.jsonl."""
+  try:
+    with open(path) as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"--calls_from={path}: cannot read a metrics.jsonl ({e})") from None
+  rows = [r for r in rows if step is None or r.get("step") == step]
+  if not rows or not any(k.startswith("calls/") for k in rows[-1]):
+    which = "any row" if step is None else f"step {step}"
+    raise ValueError(f"--calls_from={path}: no calls/* metrics in {which} (a run before they were "
+                     "logged, or a step that is not there)")
+  row = rows[-1]
+  calls = {k[len("calls/"):]: float(v) for k, v in row.items() if k.startswith("calls/")}
+  measured = {k: float(row[k]) for k in ("rollout_seconds", "update_seconds", "step") if k in row}
+  return calls, measured
+
+
+@dataclasses.dataclass(frozen=True)
+class StatedLengths:
+  """Token counts of a lockstep step: every dialogue the same, every phase as long as its rows."""
+  turns: int               # policy replies per dialogue
+  policy_tokens: int       # decode steps of a policy turn (lockstep: its longest row's)
+  reply_tokens: int        # the visible reply (what the simulator reads; re-appended if thoughts drop)
+  user_tokens: int         # a user line appended to the policy's cache
+  simulator_tokens: int    # decode steps of one simulator answer
+  policy_prompt: int       # the policy's opening prompt
+  simulator_prompt: int    # the simulator's first prompt (persona, scene, rules)
+  instruction_tokens: int  # an emotion or reply instruction appended to the simulator
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      if getattr(self, f.name) < (1 if f.name == "turns" else 0):
+        raise ValueError(f"--{f.name}={getattr(self, f.name)}: must be >= {1 if f.name == 'turns' else 0}")
+
+
+class _Cache:
+  """One row's lengths in a sampler's cache, emitting the calls the sampler would make."""
+
+  def __init__(self, role: str, max_len: int, buckets, calls: Calls):
+    self.role, self.max_len, self.calls = role, max_len, calls
+    self.buckets = tuple(sorted({min(b, max_len) for b in buckets}))
+    self.windows = window_buckets(max_len)
+    self.length = 0
+
+  def _add(self, key: str, n: float) -> None:
+    self.calls[f"{self.role}/{key}"] = self.calls.get(f"{self.role}/{key}", 0.0) + n
+
+  def append(self, tokens: int, kind: str = "append") -> None:
+    tokens = min(tokens, self.max_len - self.length)
+    for start in range(0, max(tokens, 1), self.buckets[-1]):
+      n = min(self.buckets[-1], tokens - start)
+      T = bucket(max(n, 1), self.buckets)
+      self._add(f"{kind}/T{T}/W{bucket(max(self.length, 1), self.windows)}", 1)
+      self.length += n
+
+  def decode(self, tokens: int, max_new: int, reserve: int = 0) -> None:
+    budget = max(min(max_new, self.max_len - reserve - self.length), 0)
+    self._add(f"decode_steps/W{bucket(max(self.length + budget, 1), self.windows)}", min(tokens, budget))
+    self.length += min(tokens, budget)
+
+
+def _policy_turns(config, lengths: StatedLengths, policy: _Cache) -> list[int]:
+  """The policy's prefill, decodes and appends; returns the length of each training sample."""
+  p = config.policy
+  drop = p.think and not p.keep_thoughts
+  policy.append(lengths.policy_prompt, "prefill")
+  samples = []
+  for turn in range(lengths.turns):
+    start = policy.length
+    policy.decode(lengths.policy_tokens, p.max_new_tokens, reserve=1)
+    samples.append(policy.length)
+    last = turn == lengths.turns - 1
+    if drop:
+      policy.length = start  # rewound: the thought leaves the cache
+    new = (lengths.reply_tokens + 1 if drop else 1) + (0 if last else lengths.user_tokens)
+    if last:
+      policy.length += new  # the closing tokens are in the sample, no later call reads them
+    else:
+      policy.append(new)
+  return samples if drop else [policy.length]
+
+
+def _simulator_turns(config, lengths: StatedLengths, sim: _Cache) -> None:
+  s = config.simulator
+  sim.append(lengths.simulator_prompt)
+  sim.decode(lengths.simulator_tokens, s.max_new_tokens)  # the opening line
+  for turn in range(lengths.turns):
+    sim.append(lengths.reply_tokens + lengths.instruction_tokens)  # the reply, the emotion step
+    sim.decode(lengths.simulator_tokens, s.max_new_tokens)
+    if turn < lengths.turns - 1:  # the last turn ends at max_turns without a user line
+      sim.append(lengths.instruction_tokens)
+      sim.decode(lengths.simulator_tokens, s.max_new_tokens)
+
+
+def stated_calls(config: ml_collections.ConfigDict, lengths: StatedLengths, mesh=None) -> Calls:
+  """The calls of a lockstep step in which every dialogue has `lengths` (one row stands for all)."""
+  calls: Calls = {}
+  policy = _Cache("policy", config.policy.max_context, config.policy.append_buckets, calls)
+  samples = _policy_turns(config, lengths, policy)
+  if config.simulator.backend == "model":
+    sim = _Cache("simulator", config.simulator.max_context, config.simulator.append_buckets, calls)
+    _simulator_turns(config, lengths, sim)
+  spec = RunSpec.from_config(config)
+  layout = BatchLayout.for_step(len(samples) * ap.num_dialogues(config), max(samples),
+                                ap.micro_batch_rows(config, mesh),
+                                mini_batch_rows=spec.rl.rows_per_mini_batch,
+                                mini_batches=config.rl.mini_batches)
+  M, B, T = layout.step_shape
+  passes = 1 + (config.rl.kl_coef > 0) + (config.algo == "ppo")
+  calls.update({"update/micro_batches": float(M * config.rl.epochs), "update/rows": float(B),
+                "update/length": float(T), "forward/micro_batches": float(M * passes)})
+  return calls
+
+
+def sampler_keys(calls: Calls) -> Iterator[tuple[str, str, int | None, int, float]]:
+  """(role, kind "append" | "decode", T or None, W, count) of each sampler entry of `calls`."""
+  for key, n in sorted(calls.items()):
+    parts = key.split("/")
+    if parts[0] not in ("policy", "simulator") or not n:
+      continue
+    if parts[1] in ("append", "prefill"):
+      yield parts[0], "append", int(parts[2][1:]), int(parts[3][1:]), n
+    elif parts[1] == "decode_steps":
+      yield parts[0], "decode", None, int(parts[2][1:]), n

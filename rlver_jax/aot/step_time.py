@@ -1,0 +1,278 @@
+"""A step-time model: XLA's cost analysis of each compiled program of a step, a roofline per call,
+times the step's calls (`aot.step_calls`: recorded by the trainer, or from stated lengths).
+
+Per call (per device: an SPMD program's cost is one partition's): seconds = max(flops / peak FLOP/s,
+bytes accessed / memory bandwidth), the chip's nominal peaks (`aot.chips`). Collectives (ICI), host
+work between calls (token parsing, the simulator's text) and dispatch are not in it.
+
+XLA's cost analysis counts a loop body once. So the programs are traced with their loops unrolled
+(layer scans, query-block and logits-chunk maps, the top-p bisection: `unrolled_loops`) at 2 and 3
+layers, and the cost is extrapolated linearly to the model's depth; the decode's `while_loop` is
+traced as one iteration, so its cost is one decode step. A sampler program's cost is linear in its
+attended window W (keys, values, masks): each is compiled at the smallest and the largest window and
+interpolated.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable
+
+import jax
+import ml_collections
+from jax.sharding import Mesh
+
+from rlver_jax.aot import call_programs as cp
+from rlver_jax.aot import programs as ap
+from rlver_jax.aot.chips import ChipSpec
+from rlver_jax.aot.collectives import collective_bytes
+from rlver_jax.aot.step_calls import Calls, sampler_keys
+from rlver_jax.sampling.sampler import window_buckets
+
+PHASES = ("policy decode", "simulator decode", "prefills", "update")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+  """Per-device work of one call: floating-point operations, bytes of memory accessed, and bytes
+  sent over the interconnect by its collectives (`aot.collectives`)."""
+  flops: float
+  bytes: float
+  link_bytes: float = 0.0
+
+  def __add__(self, other: "Cost") -> "Cost":
+    return Cost(self.flops + other.flops, self.bytes + other.bytes, self.link_bytes + other.link_bytes)
+
+  def scaled(self, k: float) -> "Cost":
+    return Cost(self.flops * k, self.bytes * k, self.link_bytes * k)
+
+  def times(self, chip: ChipSpec) -> dict[str, float]:
+    link = self.link_bytes / chip.link_bytes_per_s if chip.link_bytes_per_s else 0.0
+    return {"compute": self.flops / chip.flops_per_s, "memory": self.bytes / chip.bytes_per_s,
+            "collectives": link}
+
+  def seconds(self, chip: ChipSpec, collectives: bool = False) -> float:
+    """The roofline: the larger of FLOP time and memory time (and link time, if asked)."""
+    t = self.times(chip)
+    return max(t["compute"], t["memory"], t["collectives"] if collectives else 0.0)
+
+  def bound(self, chip: ChipSpec, collectives: bool = False) -> str:
+    t = self.times(chip)
+    if not collectives:
+      t.pop("collectives")
+    return max(t, key=t.get)
+
+
+def extrapolate(at: dict[float, Cost], x: float) -> Cost:
+  """The line through the costs at two points, at `x` (the one cost if only one point is given)."""
+  if len(at) == 1:
+    return next(iter(at.values()))
+  (x0, c0), (x1, c1) = sorted(at.items())
+  t = (x - x0) / (x1 - x0)
+  return c0 + (c1 + c0.scaled(-1)).scaled(t)
+
+
+@contextlib.contextmanager
+def unrolled_loops():
+  """`jax.lax.scan` / `map` / `fori_loop` unrolled while tracing, so the compiled cost counts every
+  iteration, and a `while_loop` (the decode's) traced as one iteration of its body: XLA's cost of a
+  while op also counts its whole carry (params, cache) in and out, which one step does not move.
+  The model, the sampler and the update call them through `jax.lax`."""
+  scan, fori = jax.lax.scan, jax.lax.fori_loop
+
+  def unrolled_scan(f, init, xs=None, length=None, reverse=False, unroll=1, **kw):
+    return scan(f, init, xs, length=length, reverse=reverse, unroll=True, **kw)
+
+  def unrolled_map(f, xs, *, batch_size=None):
+    return scan(lambda c, x: (c, f(x)), None, xs, unroll=True)[1]
+
+  def unrolled_fori(lower, upper, body, init, *, unroll=None):
+    return fori(lower, upper, body, init, unroll=True)
+
+  def one_iteration(cond, body, init):  # the decode loop: one step, without the loop's carry
+    del cond
+    return body(init)
+
+  saved = (jax.lax.scan, jax.lax.map, jax.lax.fori_loop, jax.lax.while_loop)
+  # jax caches traces per function and argument shapes: a program traced before (with its loops)
+  # would be reused here, and an unrolled one would leak out to later callers. Clear on both sides.
+  jax.clear_caches()
+  jax.lax.scan, jax.lax.map, jax.lax.fori_loop, jax.lax.while_loop = (
+      unrolled_scan, unrolled_map, unrolled_fori, one_iteration)
+  try:
+    yield
+  finally:
+    jax.lax.scan, jax.lax.map, jax.lax.fori_loop, jax.lax.while_loop = saved
+    jax.clear_caches()
+
+
+# XLA:TPU splits a large sharded matmul into a loop over the devices' shards (a windowed einsum),
+# which the cost analysis would count once: compile the plain all-gather / reduce-scatter instead
+# (the same FLOPs and bytes, all in the open).
+_TPU_COST_OPTIONS = {"xla_tpu_enable_windowed_einsum_for_all_gather": "false",
+                     "xla_tpu_enable_windowed_einsum_for_reduce_scatter": "false"}
+
+
+def _float_loop(hlo_line: str) -> bool:
+  """A while op carrying floating-point values. Loops of integers only are the random-bit rounds
+  (threefry, a loop on CPU): a few hundred integer ops, left out of the count."""
+  head = hlo_line.partition(" while(")
+  return bool(head[1]) and any(t in head[0] for t in ("f32[", "bf16[", "f16[", "f64["))
+
+
+def compiled_cost(fn, args, mesh: Mesh) -> Cost:
+  """Traces `fn` with unrolled loops, compiles it on `mesh`'s devices, reads XLA's cost analysis.
+  A loop left in the compiled program is an error: its cost would count one iteration."""
+  with jax.set_mesh(mesh), unrolled_loops():
+    lowered = fn.lower(*args)
+  on_tpu = mesh.devices.flat[0].platform == "tpu"
+  with jax.set_mesh(mesh):
+    compiled = lowered.compile(compiler_options=_TPU_COST_OPTIONS if on_tpu else None)
+  if any(_float_loop(line) for line in compiled.as_text().splitlines()):
+    raise ValueError("a compiled program of the step-time model still has a loop; its cost would "
+                     "count one iteration")
+  analysis = compiled.cost_analysis()
+  analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+  return Cost(float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0)),
+              collective_bytes(compiled.as_text()))
+
+
+def _depths(layers: int) -> tuple[int, ...]:
+  """Layer counts to compile at: 2 and 3 (a 1-layer scan compiles differently), or the real one."""
+  return (layers,) if layers <= 3 else (2, 3)
+
+
+class CostModel:
+  """Per-call costs of one config's programs on one mesh, compiled on demand and kept.
+
+  `rows` are the sampler programs' cache rows (default: every dialogue of a step, the lockstep
+  rollout); `compile_cost` is swappable so tests can count compiles.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh, *, layout: str = ap.TPU_CACHE_LAYOUT,
+               rows: int | None = None, compile_cost: Callable = compiled_cost,
+               log: Callable[[str], None] = lambda _: None):
+    self.config, self.mesh, self.layout, self.log = config, mesh, layout, log
+    self.rows = rows or ap.rollout_rows(config, mesh)
+    self.compile_cost = compile_cost
+    self._kept: dict[tuple, Cost] = {}
+    self.compiles = 0
+
+  def _cost(self, key: tuple, build: Callable[[], tuple]) -> Cost:
+    if key not in self._kept:
+      fn, args = build()
+      self._kept[key] = self.compile_cost(fn, args, self.mesh)
+      self.compiles += 1
+      self.log(f"compiled {key}: {self._kept[key]}")
+    return self._kept[key]
+
+  def _shape(self, role: str, layers: int) -> cp.SamplerShape:
+    model, _, max_len, max_new = ap._sampler_role(self.config, role, self.mesh)
+    return cp.SamplerShape(cp.with_layers(model, layers), self.rows, max_len, max_new, self.layout)
+
+  def _layers(self, role: str) -> int:
+    model = ap.policy_model(self.config) if role == "policy" else ap.simulator_model(self.config)
+    return ap.model_config(model).num_layers
+
+  def sampler_call(self, role: str, kind: str, tokens: int | None, window: int) -> Cost:
+    """One append chunk of `tokens` (kind "append") or one decode step ("decode") at `window`."""
+    max_len = (self.config.policy if role == "policy" else self.config.simulator).max_context
+    windows = window_buckets(max_len)
+    ends = (windows[0], windows[-1]) if len(windows) > 1 else (windows[0],)
+    L = self._layers(role)
+
+    def at(layers: int, w: int) -> Cost:
+      shape = self._shape(role, layers)
+      build = ((lambda: cp.decode_call(shape, w, self.mesh)) if kind == "decode"
+               else (lambda: cp.append_call(shape, tokens, w, self.mesh)))
+      return self._cost((role, kind, tokens, w, layers), build)
+
+    by_window = {w: extrapolate({d: at(d, w) for d in _depths(L)}, L) for w in ends}
+    return extrapolate(by_window, window)
+
+  def update_micro_batch(self, rows: int, length: int, critic: bool = False) -> Cost:
+    L = self._layers("policy")
+    return extrapolate({d: self._cost(("update", critic, rows, length, d), lambda d=d: cp.update_call(
+        self.config, self.mesh, rows=rows, length=length, critic=critic, layers=d)) for d in _depths(L)}, L)
+
+  def forward_micro_batch(self, rows: int, length: int) -> Cost:
+    L = self._layers("policy")
+    return extrapolate({d: self._cost(("forward", rows, length, d), lambda d=d: cp.forward_call(
+        self.config, self.mesh, rows=rows, length=length, layers=d)) for d in _depths(L)}, L)
+
+
+@dataclasses.dataclass
+class PhaseTime:
+  """A phase's summed cost and roofline seconds (without and with the collectives' link time), and
+  how many of the former each bound took."""
+  calls: float = 0.0
+  cost: Cost = Cost(0.0, 0.0)
+  seconds: float = 0.0
+  seconds_with_links: float = 0.0
+  by_bound: dict = dataclasses.field(default_factory=dict)
+
+  def add(self, cost: Cost, n: float, chip: ChipSpec) -> None:
+    self.calls += n
+    self.cost = self.cost + cost.scaled(n)
+    s = cost.seconds(chip) * n
+    self.seconds += s
+    self.seconds_with_links += cost.seconds(chip, collectives=True) * n
+    self.by_bound[cost.bound(chip)] = self.by_bound.get(cost.bound(chip), 0.0) + s
+
+  @property
+  def bound(self) -> str:
+    if not self.seconds:
+      return "-"
+    name = max(self.by_bound, key=self.by_bound.get)
+    return f"{name} ({self.by_bound[name] / self.seconds:.0%} of its time)"
+
+
+def estimate(model: CostModel, calls: Calls, chip: ChipSpec) -> dict[str, PhaseTime]:
+  """Seconds per phase of the step whose program calls are `calls`."""
+  phases = {p: PhaseTime() for p in PHASES}
+  for role, kind, tokens, window, n in sampler_keys(calls):
+    phase = f"{role} decode" if kind == "decode" else "prefills"
+    phases[phase].add(model.sampler_call(role, kind, tokens, window), n, chip)
+  micro = calls.get("update/micro_batches", 0.0)
+  if micro:
+    rows, length = int(calls["update/rows"]), int(calls["update/length"])
+    phases["update"].add(model.update_micro_batch(rows, length), micro, chip)
+    if model.config.algo == "ppo":
+      phases["update"].add(model.update_micro_batch(rows, length, critic=True), micro, chip)
+    phases["update"].add(model.forward_micro_batch(rows, length), calls.get("forward/micro_batches", 0.0),
+                         chip)
+  return phases
+
+
+def format_estimate(phases: dict[str, PhaseTime], chip: ChipSpec, measured: dict[str, float],
+                    header: str) -> str:
+  """The phases as a Markdown table, the total, the measured seconds if known, and the assumptions."""
+  lines = [header, "", "| phase | calls | TFLOP / device | HBM GB / device | link GB / device | "
+           "seconds (roofline) | bound | seconds with link time |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for name, p in phases.items():
+    lines.append(f"| {name} | {p.calls:,.0f} | {p.cost.flops / 1e12:.3f} | {p.cost.bytes / 1e9:.2f} | "
+                 f"{p.cost.link_bytes / 1e9:.2f} | {p.seconds:.3f} | {p.bound} | "
+                 f"{p.seconds_with_links:.3f} |")
+  total = sum(p.seconds for p in phases.values())
+  rollout = total - phases["update"].seconds
+  linked = sum(p.seconds_with_links for p in phases.values())
+  lines.append(f"| step | | | | | {total:.3f} | rollout {rollout:.3f} s, update "
+               f"{phases['update'].seconds:.3f} s | {linked:.3f} |")
+  if "rollout_seconds" in measured:
+    got = measured["rollout_seconds"] + measured.get("update_seconds", 0.0)
+    lines.append(f"\nmeasured: rollout {measured['rollout_seconds']:.2f} s, update "
+                 f"{measured.get('update_seconds', 0.0):.2f} s; measured / predicted = "
+                 f"{measured['rollout_seconds'] / max(rollout, 1e-12):.2f} (rollout), "
+                 f"{measured.get('update_seconds', 0.0) / max(phases['update'].seconds, 1e-12):.2f} "
+                 f"(update), {got / max(total, 1e-12):.2f} (step)")
+  lines.append(f"\nassumptions: {chip.name} at {chip.flops_per_s / 1e12:g} TFLOP/s, "
+               f"{chip.bytes_per_s / 1e9:g} GB/s memory and {chip.link_bytes_per_s / 1e9:g} GB/s "
+               "interconnect per device; each call at the larger of its FLOP and memory time (XLA's "
+               "cost analysis per device, loops unrolled, 2-3 layers extrapolated, windows "
+               "interpolated), the last column also at its collectives' link time if larger (bytes "
+               "from the HLO, ring algorithms, no overlap assumed beyond the max); no host work or "
+               "dispatch; the optimizer update "
+               "counted once per micro-batch; scoring passes (old and reference log-probs, critic "
+               "values) costed as the policy's log-prob pass.")
+  return "\n".join(lines)

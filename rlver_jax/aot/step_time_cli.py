@@ -1,0 +1,95 @@
+"""`python -m rlver_jax.aot --estimate_time`: the step-time model's command line part.
+
+  python -m rlver_jax.aot --config=configs/grpo_think.py --topology=v5p:2x4x4 --estimate_time
+  python -m rlver_jax.aot --config=... --estimate_time --calls_from=WORKDIR/metrics.jsonl[:STEP]
+  python -m rlver_jax.aot --config=configs/grpo_think.py:runlocal --topology=cpu --estimate_time \\
+      --calls_from=... --chip_flops=6.1e10 --chip_bandwidth=1.2e10     # this machine, measured peaks
+
+Without --calls_from the calls are laid out from stated lengths (--turns, --policy_tokens, ...; each
+defaults to the config's budget, a lockstep step in which every turn uses its whole budget).
+"""
+from __future__ import annotations
+
+import sys
+
+import jax
+import ml_collections
+from absl import flags
+
+from rlver_jax.aot import plan as run_plan
+from rlver_jax.aot import programs as ap
+from rlver_jax.aot import step_calls, step_time
+from rlver_jax.aot.chips import ChipSpec, chip_for_kind
+from rlver_jax.aot.report import _mesh
+from rlver_jax.aot.topology import AotError, get_topology
+from rlver_jax.sampling.kv_cache import default_layout
+
+_CALLS_FROM = flags.DEFINE_string("calls_from", None, "metrics.jsonl[:STEP] whose calls/* to cost "
+                                  "(default: stated lengths).")
+_ROWS = flags.DEFINE_integer("rows", None, "Sampler cache rows (default: every dialogue of a step).")
+_FLOPS = flags.DEFINE_float("chip_flops", None, "Peak FLOP/s per device (default: the chip's nominal).")
+_BANDWIDTH = flags.DEFINE_float("chip_bandwidth", None, "Memory bytes/s per device (default: nominal).")
+_LENGTHS = {
+    "turns": ("policy replies per dialogue", lambda c: c.simulator.max_turns),
+    "policy_tokens": ("decode steps per policy turn", lambda c: c.policy.max_new_tokens),
+    "reply_tokens": ("visible reply tokens per policy turn", lambda c: 128),
+    "user_tokens": ("tokens of a user line", lambda c: 64),
+    "simulator_tokens": ("decode steps per simulator answer", lambda c: c.simulator.max_new_tokens),
+    "policy_prompt": ("tokens of the policy's opening prompt", lambda c: 512),
+    "simulator_prompt": ("tokens of the simulator's first prompt", lambda c: 1536),
+    "instruction_tokens": ("tokens of an emotion / reply instruction", lambda c: 256),
+}
+_LENGTH_FLAGS = {k: flags.DEFINE_integer(k, None, f"{doc} (stated-lengths mode)")
+                 for k, (doc, _) in _LENGTHS.items()}
+
+
+def stated_lengths(config: ml_collections.ConfigDict) -> step_calls.StatedLengths:
+  return step_calls.StatedLengths(**{k: f.value if f.value is not None else _LENGTHS[k][1](config)
+                                     for k, f in _LENGTH_FLAGS.items()})
+
+
+def _devices(topology: str):
+  return jax.devices("cpu") if topology == "cpu" else get_topology(topology)
+
+
+def _chip(devices) -> ChipSpec:
+  if _FLOPS.value is not None and _BANDWIDTH.value is not None:
+    return ChipSpec(devices[0].device_kind, _FLOPS.value, _BANDWIDTH.value)
+  try:
+    nominal = chip_for_kind(devices[0].device_kind)
+  except ValueError as e:
+    raise AotError(str(e)) from None
+  return ChipSpec(nominal.name, _FLOPS.value or nominal.flops_per_s,
+                  _BANDWIDTH.value or nominal.bytes_per_s, nominal.link_bytes_per_s)
+
+
+def _calls(config, mesh):
+  if _CALLS_FROM.value is None:
+    lengths = stated_lengths(config)
+    return step_calls.stated_calls(config, lengths, mesh), {}, f"stated lengths {lengths}"
+  path, sep, step = _CALLS_FROM.value.rpartition(":")
+  if not (sep and step.isdigit()):
+    path, step = _CALLS_FROM.value, ""
+  calls, measured = step_calls.calls_from_metrics(path, int(step) if step else None)
+  return calls, measured, f"calls recorded in {path} (step {int(measured.get('step', 0))})"
+
+
+def run_estimate(config: ml_collections.ConfigDict, topology: str) -> str:
+  """The step-time table for `config` on `topology` ("cpu": this machine's devices)."""
+  if not run_plan.is_run_config(config):
+    raise AotError("--estimate_time needs a training config (configs/grpo_think.py, ...)")
+  devices = _devices(topology)
+  mesh = _mesh(config, devices, None)
+  layout = default_layout("cpu") if topology == "cpu" else ap.TPU_CACHE_LAYOUT
+  chip = _chip(devices)
+  try:
+    calls, measured, source = _calls(config, mesh)
+    model = step_time.CostModel(config, mesh, layout=layout, rows=_ROWS.value,
+                                log=lambda line: print(line, file=sys.stderr, flush=True))
+  except ValueError as e:
+    raise AotError(str(e)) from None
+  phases = step_time.estimate(model, calls, chip)
+  mesh_shape = "x".join(str(mesh.shape[a]) for a in ("data", "fsdp", "tensor"))
+  return step_time.format_estimate(phases, chip, measured, header=(
+      f"step time on {topology} (mesh {mesh_shape}, {model.rows} cache rows, lockstep), "
+      f"{source}; {model.compiles} programs compiled"))

@@ -1,0 +1,78 @@
+"""From packed rows and the models' log-probs and values to the update batch's advantages, returns and
+the step's batch metrics.
+
+Shape legend: N packed rows, T tokens. Inputs and outputs are [N, T] host arrays (float32); the
+estimators themselves (`rl.advantages`) run eagerly on the default device, one call each.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlver_jax.rl import advantages as adv_lib
+from rlver_jax.rl.losses import explained_variance, kl_penalty
+from rlver_jax.rl.pack import PackableDialogue, Packed
+
+
+class ScoredDialogue(PackableDialogue, Protocol):
+  reward: float
+  group_id: int
+
+
+def reference_kl(old_logp: np.ndarray, ref_logp: np.ndarray, mask: np.ndarray) -> float:
+  """Mean log-ratio of the policy to the reference over policy tokens (the `kl_ref` metric)."""
+  return float(((old_logp - ref_logp) * mask).sum() / max(mask.sum(), 1))
+
+
+def kl_penalised_rewards(rewards: np.ndarray, old_logp: np.ndarray, ref_logp: np.ndarray,
+                         mask: np.ndarray, *, coef: float, kind: str) -> np.ndarray:
+  """Per-token rewards less coef x the KL estimate on each policy token (KL in the reward)."""
+  kl = np.asarray(kl_penalty(jnp.asarray(old_logp), jnp.asarray(ref_logp), kind))
+  return rewards - coef * kl * mask
+
+
+def grpo_row_advantages(dialogues: Sequence[ScoredDialogue], packed: Packed, *,
+                        mean_only: bool) -> np.ndarray:
+  """Each dialogue's group-relative advantage on every policy token of its rows, float32 [N, T]."""
+  rewards = np.array([d.reward for d in dialogues], np.float32)
+  groups = np.array([d.group_id for d in dialogues], np.int32)
+  per_dialogue = np.asarray(adv_lib.grpo_advantages(jnp.asarray(rewards), jnp.asarray(groups),
+                                                    mean_only=mean_only))
+  owner = packed.dialogue
+  per_row = np.where(owner >= 0, per_dialogue[np.maximum(owner, 0)], 0.0)
+  return (per_row[:, None] * packed.loss_mask).astype(np.float32)
+
+
+class Targets(NamedTuple):
+  """What an algorithm makes of a packed batch: advantages on every policy token, the critic's returns
+  (None without a critic) and the batch metrics it adds."""
+  advantages: np.ndarray        # [N, T] float32
+  returns: np.ndarray | None    # [N, T]
+  metrics: dict[str, float]
+
+
+def critic_targets(rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, *, gamma: float,
+                   lam: float, whiten: bool) -> Targets:
+  """GAE advantages and returns from per-token rewards and the critic's values."""
+  adv, ret = adv_lib.gae(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(mask), gamma=gamma,
+                         lam=lam)
+  if whiten:
+    adv = adv_lib.whiten(adv, jnp.asarray(mask))
+  metrics = {"value_mean": float((values * mask).sum() / max(mask.sum(), 1)),
+             # Over the whole batch (per micro-batch it would be 0 for every row whose returns are
+             # constant, as every row's are at gamma = 1).
+             "critic/explained_variance": _explained_variance(values, ret, mask)}
+  return Targets(np.asarray(adv), np.asarray(ret), metrics)
+
+
+def _explained_variance(values: np.ndarray, returns: jax.Array, mask: np.ndarray) -> float:
+  return float(explained_variance(jnp.asarray(values), returns, jnp.asarray(mask)))
+
+
+def batch_metrics(packed: Packed) -> dict[str, float]:
+  """Sizes of the batch: policy tokens, samples and real (unpadded) tokens."""
+  return {"policy_tokens": float(packed.loss_mask.sum()), "samples": float(packed.num_real),
+          "sample_tokens": float((packed.segment_ids > 0).sum())}

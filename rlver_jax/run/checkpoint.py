@@ -1,0 +1,128 @@
+"""Orbax checkpoints under WORKDIR/checkpoints: save every N steps and at the end, keep K, resume
+from the newest one that restores (damaged newer ones are moved into checkpoints/damaged/).
+
+A checkpoint holds the array state (policy / critic params and optimizer states, RNG key) and a JSON
+item (step, profile-sampler state, config) so a resumed run continues exactly where it stopped.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+from etils import epath
+
+from rlver_jax.parallel.process_zero import on_process_zero
+
+
+class NoRestorableCheckpoint(ValueError):
+  """Every checkpoint under the run's checkpoints/ folder failed to restore."""
+
+
+class Checkpointer:
+  def __init__(self, workdir: str, *, every_steps: int, keep: int):
+    # orbax needs an absolute path; a local workdir may be given relative to the current folder.
+    root = workdir if "://" in workdir else os.path.abspath(workdir)
+    self.directory = epath.Path(root) / "checkpoints"
+    self.every_steps = every_steps
+    # cleanup_tmp_directories: a save killed mid-commit leaves a tmp folder that rotation never
+    # removes (a whole checkpoint's size, policy + critic + optimizer state).
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                           enable_async_checkpointing=True, cleanup_tmp_directories=True)
+    self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                         item_names=("state", "meta"))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self.manager.all_steps())
+
+  def should_save(self, step: int, total_steps: int) -> bool:
+    return step == total_steps or (self.every_steps > 0 and step % self.every_steps == 0)
+
+  def save(self, step: int, state: Any, meta: dict) -> None:
+    """Asynchronous: arrays are copied off-device, then written while training continues."""
+    if step in self.manager.all_steps():
+      return
+    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                    meta=ocp.args.JsonSave(meta)), force=True)
+
+  def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
+    """Restores into the shardings of `abstract_state` (ShapeDtypeStructs with `.sharding`)."""
+    step = self.manager.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint under {self.directory}")
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+    return out["state"], out["meta"]
+
+  def restore_newest_good(self, abstract_state: Any) -> tuple[Any, dict] | None:
+    """The newest checkpoint that restores completely (None when there is none at all).
+
+    A newer one that fails (a file cut short by a full disk or a host lost mid-commit) is moved into
+    checkpoints/damaged/ with one warning line each, never deleted. If none restores, nothing is
+    moved and NoRestorableCheckpoint names the steps tried and what to do.
+    """
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    failed: list[tuple[int, str]] = []
+    for step in steps:
+      try:
+        state, meta = self.restore(abstract_state, step)
+      except Exception as e:  # orbax / tensorstore raise many kinds for a damaged file
+        failed.append((step, _first_line(e)))
+        continue
+      for bad, why in failed:
+        moved = on_process_zero(f"moving checkpoint {bad} aside", lambda: self._move_aside(bad))
+        logging.warning("checkpoint of step %d does not restore (%s): moved to %s; resuming from "
+                        "step %d", bad, why, moved or "checkpoints/damaged/", step)
+      if failed:
+        self._sync("rlver_jax:damaged_moved")
+        self.manager.reload()
+      return state, meta
+    if not failed:
+      return None
+    tried = ", ".join(str(s) for s, _ in failed)
+    raise NoRestorableCheckpoint(
+        f"{self.directory}: no checkpoint restores (tried steps {tried}; step {failed[0][0]}: "
+        f"{failed[0][1]}); nothing was moved: move {self.directory} aside to start over, or use a "
+        "new --workdir")
+
+  def _move_aside(self, step: int) -> epath.Path:
+    damaged = self.directory / "damaged"
+    damaged.mkdir(parents=True, exist_ok=True)
+    target = damaged / str(step)
+    n = 2
+    while target.exists():  # a step damaged twice (an earlier run's copy): keep both
+      target, n = damaged / f"{step}-{n}", n + 1
+    (self.directory / str(step)).rename(target)
+    return target
+
+  @staticmethod
+  def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(name)
+
+  def restore_meta(self, step: int | None = None) -> dict:
+    step = self.manager.latest_step() if step is None else step
+    return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def abstract_like(tree: Any) -> Any:
+  """ShapeDtypeStructs carrying each array's sharding: the restore target for `tree`."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _first_line(e: BaseException) -> str:
+  text = next((l.strip() for l in str(e).splitlines() if l.strip()), type(e).__name__)
+  return text if len(text) <= 200 else text[:197] + "..."

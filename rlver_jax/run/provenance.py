@@ -1,0 +1,105 @@
+"""What a run's results depend on beyond its config: the prompt texts (they live in code) and the
+code version, and the training profiles' contents. Written to WORKDIR/provenance.json; a resume with
+different prompt texts or profiles is refused, since mixing them in one run changes what the policy
+is trained on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+import subprocess
+from typing import Sequence
+
+import jax
+from etils import epath
+
+from rlver_jax.env import simulator_prompts as sim_prompts
+from rlver_jax.env.chat import policy_system_prompt
+from rlver_jax.env.profiles import Profile
+from rlver_jax.parallel.process_zero import on_process_zero
+from rlver_jax.run.saved_config import ConfigConflictError
+
+# A fixed stand-in persona: the fingerprint covers the templates, not any profile's content.
+_PROBE = Profile(id="probe", player="<player>", scene="<scene>", main_cha="<main_cha>",
+                 cha_group=("<cha_group>",), task="<task>")
+
+
+def rendered_prompts(think: bool, style: str) -> dict[str, str]:
+  """Every prompt template of the policy and the simulator, rendered for both languages."""
+  out = {}
+  for lang in sim_prompts.LANGUAGES:
+    out[f"policy_system/{lang}"] = policy_system_prompt(think, lang)
+    out[f"simulator_system/{lang}"] = sim_prompts.system_prompt(_PROBE, style, lang)
+    for passive in (False, True):
+      out[f"opening/{lang}/{passive}"] = sim_prompts.opening_instruction(lang, passive)
+      out[f"reply/{lang}/{passive}"] = sim_prompts.reply_instruction(50, "B", lang, passive)
+    out[f"emotion/{lang}"] = sim_prompts.emotion_instruction("<policy reply>", 50, lang, style)
+    out[f"retry/{lang}"] = sim_prompts.retry_instruction(lang)
+    out[f"reply_retry/{lang}"] = sim_prompts.reply_retry_instruction(lang)
+  return out
+
+
+def prompts_sha256(think: bool, style: str) -> str:
+  blob = json.dumps(rendered_prompts(think, style), sort_keys=True, ensure_ascii=False)
+  return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def git_commit() -> str:
+  """HEAD of the checkout this package runs from ('+dirty' with uncommitted changes), or 'unknown'."""
+  root = pathlib.Path(__file__).resolve().parents[2]
+  try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                          check=True, timeout=10).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                           capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+  return head + ("+dirty" if dirty else "")
+
+
+def describe(spec) -> dict:
+  """This start's provenance; `spec` is the run's RunSpec or EvaluationSpec."""
+  return {"prompts_sha256": prompts_sha256(spec.policy.think, spec.simulator.style),
+          "git_commit": git_commit(), "jax": jax.__version__}
+
+
+def profiles_sha256(profiles: Sequence[Profile]) -> str:
+  """Fingerprint of the profiles' contents, in order (the sampler resumes by index into them)."""
+  blob = json.dumps([dataclasses.asdict(p) for p in profiles], sort_keys=True, ensure_ascii=False)
+  return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+_WHAT = {"prompts_sha256": "the prompt texts", "profiles_sha256": "the training profiles' contents"}
+
+
+def check(spec, workdir: str,
+          profiles: Sequence[Profile] | None = None) -> dict:
+  """This start's provenance; refuses a workdir whose run used other prompt texts or, given
+  `profiles`, other profile contents (a file edited or replaced under the same path)."""
+  path = epath.Path(workdir) / "provenance.json"
+  now = describe(spec)
+  if profiles is not None:
+    now["profiles_sha256"] = profiles_sha256(profiles)
+  if path.exists():
+    history = json.loads(path.read_text())
+    for key, what in _WHAT.items():
+      # The first start that recorded it (runs begun before a key existed record it later).
+      first = next((h[key] for h in history if key in h), None)
+      if first is not None and key in now and first != now[key]:
+        raise ConfigConflictError(
+            f"{path}: {what} changed since this run started ({key} {first[:12]} -> "
+            f"{now[key][:12]}); use a new --workdir")
+  return now
+
+
+def append(workdir: str, now: dict) -> None:
+  """Adds this start to WORKDIR/provenance.json (a list: the first start, then each resume)."""
+  path = epath.Path(workdir) / "provenance.json"
+
+  def write() -> None:
+    history = json.loads(path.read_text()) if path.exists() else []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(history + [now], indent=2) + "\n")
+  on_process_zero(f"writing {path}", write)

@@ -1,0 +1,152 @@
+"""The trained policy of a training workdir: restore it from WORKDIR/checkpoints, export it as HF.
+
+The run's WORKDIR/config.json says how the trainer built the policy; only the policy entry of the
+checkpoint's state is read (optimizer and critic states stay on disk), straight into the shardings
+of the mesh at hand.
+"""
+from __future__ import annotations
+
+import json
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+from flax import nnx
+
+from rlver_jax import build
+from rlver_jax.models import export_pretrained
+from rlver_jax.models.io import storage
+from rlver_jax.models.io import safetensors as st
+from rlver_jax.models.factory import abstract_model, state_shardings
+from rlver_jax.models.presets import from_hf_config, param_dtype_of
+from rlver_jax.parallel.sharding import MeshConfig, make_mesh
+from rlver_jax.spec import PolicySpec, RunSpec
+
+
+class ExportError(ValueError):
+  """Bad input for an export; the message says what to fix."""
+
+
+def load_run_config(workdir: str) -> RunSpec:
+  """The run's spec from WORKDIR/config.json (written by the trainer at start; keys this version does
+  not know are skipped)."""
+  path = storage.join(workdir, "config.json")
+  if not storage.exists(path):
+    raise ExportError(f"{path} is missing: {workdir} is not a training workdir")
+  config = json.loads(storage.read_bytes(path))
+  if not isinstance(config, dict) or "rl" not in config or "policy" not in config:
+    raise ExportError(f"{path} is not a training run's config (no rl / policy sections)")
+  return RunSpec.from_config(config, strict=False)
+
+
+def _manager(workdir: str) -> ocp.CheckpointManager:
+  """Read-only manager over WORKDIR/checkpoints that can restore a subset of the state item."""
+  directory = epath.Path(workdir) / "checkpoints"
+  if not directory.exists():
+    raise ExportError(f"no checkpoints under {directory}")
+  options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+  return ocp.CheckpointManager(directory, options=options, item_handlers={
+      "state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+
+
+def pick_step(manager: ocp.CheckpointManager, step: int | None) -> int:
+  steps = sorted(manager.all_steps())
+  if not steps:
+    raise ExportError(f"no checkpoints under {manager.directory}")
+  if step is None:
+    return steps[-1]
+  if step not in steps:
+    raise ExportError(f"step {step} not found under {manager.directory} (available: "
+                      f"{', '.join(map(str, steps))})")
+  return step
+
+
+def restore_policy(policy: PolicySpec, manager: ocp.CheckpointManager, step: int,
+                   mesh: jax.sharding.Mesh):
+  """(model, model config, base checkpoint dir): the policy of `step`, sharded over `mesh`.
+
+  The target is the policy's abstract state (built like `build.load_policy`, nothing allocated);
+  orbax reads only that part of the checkpoint straight into the target shardings.
+  """
+  path = build.resolve_checkpoint(policy.checkpoint, "policy.checkpoint")
+  model_config = from_hf_config(json.loads(storage.read_bytes(storage.join(path, "config.json"))))
+  p = policy
+  graphdef, abstract = nnx.split(abstract_model(
+      model_config, head="lm", param_dtype=param_dtype_of(p.param_dtype),
+      dtype=param_dtype_of(p.compute_dtype), remat=p.remat))
+  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract, state_shardings(abstract, mesh))
+  target = {"policy": target}
+  restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+      partial_restore=True)))
+  return nnx.merge(graphdef, restored["state"]["policy"]), model_config, path
+
+
+def load_trained(workdir: str, step: int | None, mesh: jax.sharding.Mesh):
+  """(model, base checkpoint dir, step, run spec): the policy of `step` (default: the latest) of a
+  training workdir, sharded over `mesh` (call inside `jax.set_mesh(mesh)`)."""
+  spec = load_run_config(workdir)
+  manager = _manager(workdir)
+  try:
+    step = pick_step(manager, step)
+    model, _, base = restore_policy(spec.policy, manager, step, mesh)
+  finally:
+    manager.close()
+  return model, base, step, spec
+
+
+def _check_out(out: str, workdir: str, overwrite: bool) -> None:
+  if storage.same_dir(out, workdir) or storage.exists(storage.join(out, "checkpoints")):
+    raise ExportError(f"output directory {out} is a training workdir; choose another one")
+  existing = storage.list_dir(out)
+  if existing and not overwrite:
+    raise ExportError(f"output directory {out} is not empty ({len(existing)} entries); pass "
+                      "--overwrite to write over it")
+
+
+def _input_checkpoints(spec: RunSpec) -> dict[str, str]:
+  """config key -> directory of each checkpoint the run reads (base policy, critic, simulator)."""
+  paths = {"policy.checkpoint": spec.policy.checkpoint, "critic.checkpoint": spec.critic.checkpoint,
+           "simulator.checkpoint": spec.simulator.checkpoint}
+  return {key: build.checkpoint_dir(path) for key, path in paths.items() if path}
+
+
+def _check_not_an_input(out: str, spec: RunSpec) -> None:
+  # Overwriting the base policy would lose the weights the run (its KL reference, a resume) reads.
+  for key, path in _input_checkpoints(spec).items():
+    if storage.same_dir(out, path):
+      raise ExportError(f"output directory {out} is the run's {key}; choose another one")
+
+
+def base_dtype(base: str) -> str:
+  """The export's default dtype: the base checkpoint's config.json dtype, else its stored weights'.
+
+  (Without a named dtype the config reader assumes bfloat16, which would quietly halve an fp32 base.)
+  """
+  cfg = json.loads(storage.read_bytes(storage.join(base, "config.json")))
+  named = cfg.get("dtype") or cfg.get("torch_dtype")
+  if named:
+    return str(named)
+  table, _ = st.open_checkpoint(base)
+  info = table.get("model.embed_tokens.weight") or next(iter(table.values()))
+  return st.numpy_dtype(info.dtype).name
+
+
+def export(workdir: str, out: str, *, step: int | None = None, overwrite: bool = False,
+           dtype: str | None = None) -> int:
+  """Writes the policy of `step` (default: latest) under `out`; returns the step exported."""
+  _check_out(out, workdir, overwrite)
+  spec = load_run_config(workdir)
+  _check_not_an_input(out, spec)
+  manager = _manager(workdir)
+  try:
+    step = pick_step(manager, step)
+    mesh = make_mesh(MeshConfig())  # any mesh works: orbax reshards on restore
+    with jax.set_mesh(mesh):
+      model, model_config, base = restore_policy(spec.policy, manager, step, mesh)
+      export_pretrained(model, model_config, out, tokenizer_dir=base, overwrite=overwrite,
+                        dtype=param_dtype_of(dtype or base_dtype(base)))
+  finally:
+    manager.close()
+  return step

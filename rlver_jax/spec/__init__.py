@@ -1,0 +1,23 @@
+"""The typed run spec: the one module that reads a run's ConfigDict.
+
+`RunSpec.from_config` (training, configs/base.py) and `EvaluationSpec.from_config` (the Sentient
+evaluation, configs/eval_sentient.py) turn the ConfigDict into a tree of frozen dataclasses, one per
+config section, with one field per config key. Each section checks its own fields in `__post_init__`
+and the top-level spec checks what spans sections, so building the spec *is* the check that every
+setting used late in a run (at the first update, the first held-out evaluation) can work: it runs
+before any model loads or any file is written. Every message names the key: `config.rl.clip_low=1.5:
+must be in (0, 1)`.
+
+Everything below the CLIs takes these dataclasses; the typed settings of the lower layers
+(MeshConfig, LossConfig, OptimConfig, RolloutConfig) are leaves of the tree or built from it here.
+
+`sections`: the section dataclasses and their checks; `run`: RunSpec, EvaluationSpec and the
+conversion. May import the lower folders' constants, checks and typed settings (env, rl, sampling,
+parallel); never build, train, evaluation or run.
+"""
+from rlver_jax.spec.run import EvaluationSpec, RunSpec
+from rlver_jax.spec.sections import (CheckpointSpec, ConfigError, CriticSpec, DataSpec, EvalSpec,
+                                     LogSpec, OptimSpec, PolicySpec, RLSpec, SimulatorSpec, require)
+
+__all__ = ["CheckpointSpec", "ConfigError", "CriticSpec", "DataSpec", "EvalSpec", "EvaluationSpec",
+           "LogSpec", "OptimSpec", "PolicySpec", "RLSpec", "RunSpec", "SimulatorSpec", "require"]

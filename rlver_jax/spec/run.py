@@ -1,0 +1,184 @@
+"""The run specs (training, the Sentient evaluation) and their one conversion from the ConfigDict."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import ClassVar, Mapping
+
+import ml_collections
+
+from rlver_jax.env.rollout import RolloutConfig
+from rlver_jax.parallel.sharding import MeshConfig
+from rlver_jax.rl.algorithms import ALGORITHMS, Algorithm, algorithm_named
+from rlver_jax.rl.update import LossConfig
+from rlver_jax.spec.sections import (CheckpointSpec, ConfigError, CriticSpec, DataSpec, EvalSpec,
+                                     LogSpec, OptimSpec, PolicySpec, RLSpec, SimulatorSpec, require)
+
+
+# -- ConfigDict -> sections ------------------------------------------------------------------------
+
+
+def _plain(config: ml_collections.ConfigDict | Mapping) -> dict:
+  """A deep copy of the config as plain data (nested dicts)."""
+  if isinstance(config, ml_collections.ConfigDict):
+    return config.to_dict()
+  return copy.deepcopy(dict(config))
+
+
+def _section(cls, tree: dict, key: str, strict: bool):
+  """cls from tree[key]: a missing key takes the field's default; a key without a field is a
+  ConfigError unless `strict` is False (a saved config of another version)."""
+  values = dict(tree.get(key) or {})
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - names)
+  if unknown and strict:
+    raise ConfigError(f"config.{key}.{unknown[0]}: not a setting of the run spec "
+                      f"({cls.__name__} has no such field)")
+  values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in names}
+  return cls(**values)
+
+
+def _top_level(cls, tree: dict, strict: bool) -> dict:
+  """The spec's fields from the tree: sections built by `_section`, plain keys copied."""
+  sections = cls.SECTIONS
+  names = {f.name for f in dataclasses.fields(cls)} - {"source"}
+  unknown = sorted(set(tree) - names)
+  if unknown and strict:
+    raise ConfigError(f"config.{unknown[0]}: not a setting of the run spec ({cls.__name__} has no "
+                      "such field)")
+  out = {k: _section(sections[k], tree, k, strict) for k in sections}
+  out.update({k: tree[k] for k in names - set(sections) if k in tree})
+  return out
+
+
+def _rollout_config(policy: PolicySpec, rl: RLSpec, prompt: str, *, eval_mode: bool) -> RolloutConfig:
+  return RolloutConfig(think=policy.think, keep_thoughts=policy.keep_thoughts,
+                       max_new_tokens=policy.max_new_tokens, temperature=policy.temperature,
+                       top_p=policy.top_p, top_k=policy.top_k,
+                       reward_mode="terminal" if eval_mode else rl.reward_mode,
+                       format_penalty=False if eval_mode else rl.format_penalty,
+                       language=policy.language or None,
+                       system_prompt=prompt if eval_mode else "training",
+                       share_prefix=rl.share_prefix, stop_sequences=policy.stop_sequences)
+
+
+# -- the run specs --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """A training run (configs/base.py). `source` is the config as plain data, for WORKDIR/config.json
+  and the checkpoints' metadata; nothing reads settings from it."""
+  SECTIONS: ClassVar[dict[str, type]] = {
+      "policy": PolicySpec, "critic": CriticSpec, "simulator": SimulatorSpec, "data": DataSpec,
+      "rl": RLSpec, "optim": OptimSpec, "mesh": MeshConfig, "checkpoint": CheckpointSpec,
+      "eval": EvalSpec, "log": LogSpec}
+
+  algo: str = "grpo"
+  seed: int = 0
+  total_steps: int = 0
+  policy: PolicySpec = PolicySpec()
+  critic: CriticSpec = CriticSpec()
+  simulator: SimulatorSpec = SimulatorSpec()
+  data: DataSpec = DataSpec()
+  rl: RLSpec = RLSpec()
+  optim: OptimSpec = OptimSpec()
+  mesh: MeshConfig = MeshConfig()
+  checkpoint: CheckpointSpec = CheckpointSpec()
+  eval: EvalSpec = EvalSpec()
+  log: LogSpec = LogSpec()
+  source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict | Mapping, *, strict: bool = True
+                  ) -> "RunSpec":
+    """The spec of a training config; ConfigError names the first bad key. `strict=False` skips
+    keys the spec does not know (a config.json saved by another version)."""
+    tree = _plain(config)
+    return cls(**_top_level(cls, tree, strict), source=tree)
+
+  def __post_init__(self):
+    if self.algo not in ALGORITHMS:
+      raise ConfigError(f"config.algo: unknown algorithm {self.algo!r} (expected grpo or ppo)")
+    require("total_steps", self.total_steps, self.total_steps >= 0, ">= 0")
+    r, p = self.rl, self.policy
+    problem = self.algorithm.config_problem(r)
+    if problem:
+      raise ConfigError(problem)
+    # Each turn its own sample (think, thoughts dropped): a turn's sample earns the later turns'
+    # reward undiscounted, which only equals the one-sequence return at gamma = 1.
+    require("rl.gamma", r.gamma, r.gamma == 1 or not self.algorithm.has_critic or not p.think
+            or p.keep_thoughts,
+            "1 with policy.think=True and keep_thoughts=False (each turn is its own sample)")
+    # A format penalty needs a format to check: only think mode asks for one.
+    require("rl.format_penalty", r.format_penalty, not r.format_penalty or p.think,
+            "False unless policy.think=True (no-think replies have no format to penalise)")
+    if p.reshapes_sampling and r.correction[0] == "none":
+      # The trainer's ratios use the model's own (T=1, untruncated) log-probs; samples drawn from a
+      # reshaped distribution are off-policy unless a rollout correction accounts for it.
+      raise ConfigError(f"config.policy sampling (temperature={p.temperature}, top_p={p.top_p}, "
+                        f"top_k={p.top_k}) differs from the distribution being trained: use 1.0 / "
+                        "1.0 / 0, or set config.rl.is_correction (e.g. 'token_tis' with "
+                        "config.rl.is_cap=2.0; config.rl.tis_cap=2.0 is the older spelling) to "
+                        "correct for it")
+    if self.evaluating:
+      n = self.data.num_holdout
+      require("data.num_holdout", n, n >= 1,
+              ">= 1 when eval.every_steps > 0 (the evaluation runs on the held-out profiles)")
+      require("eval.num_profiles", self.eval.num_profiles, self.eval.num_profiles <= n,
+              f"in [0, data.num_holdout={n}] (0 = all held-out profiles)")
+
+  @property
+  def algorithm(self) -> Algorithm:
+    return algorithm_named(self.algo, self.rl)
+
+  @property
+  def evaluating(self) -> bool:
+    """Whether the run evaluates on its held-out profiles (every eval.every_steps steps)."""
+    return self.eval.every_steps > 0
+
+  def rollout_config(self) -> RolloutConfig:
+    """The training rollout: the policy's sampling, the configured rewards."""
+    return _rollout_config(self.policy, self.rl, "training", eval_mode=False)
+
+  def holdout_rollout_config(self) -> RolloutConfig:
+    """The held-out evaluation during training: eval sampling (config.eval), terminal rewards."""
+    e = self.eval
+    return dataclasses.replace(_rollout_config(self.policy, self.rl, e.policy_prompt, eval_mode=True),
+                               temperature=e.temperature, top_p=e.top_p, top_k=e.top_k)
+
+  def loss_config(self) -> LossConfig:
+    r = self.rl
+    # Dr.GRPO's divisor is a constant of the run, not the packed length of each step's batch.
+    return LossConfig(clip_low=r.clip_low, clip_high=r.clip_high, dual_clip=r.dual_clip or None,
+                      agg=r.loss_agg, norm_len=r.loss_norm_len or self.policy.max_context,
+                      entropy_coef=r.entropy_coef, kl_coef=0.0 if r.kl_in_reward else r.kl_coef,
+                      kl_kind=r.kl_kind, policy_loss=r.policy_loss,
+                      is_correction=r.correction[0], is_cap=r.correction[1],
+                      value_clip=r.value_clip or None, logits_chunk=r.logits_chunk)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluationSpec:
+  """A Sentient evaluation (configs/eval_sentient.py): the policy's own sampling, terminal rewards,
+  the users of config.eval. `source` as in RunSpec."""
+  SECTIONS: ClassVar[dict[str, type]] = {
+      "policy": PolicySpec, "simulator": SimulatorSpec, "data": DataSpec, "eval": EvalSpec,
+      "mesh": MeshConfig, "log": LogSpec}
+
+  seed: int = 0
+  policy: PolicySpec = PolicySpec()
+  simulator: SimulatorSpec = SimulatorSpec()
+  data: DataSpec = DataSpec()
+  eval: EvalSpec = EvalSpec()
+  mesh: MeshConfig = MeshConfig()
+  log: LogSpec = LogSpec()
+  source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict | Mapping) -> "EvaluationSpec":
+    tree = _plain(config)
+    return cls(**_top_level(cls, tree, strict=True), source=tree)
+
+  def rollout_config(self) -> RolloutConfig:
+    return _rollout_config(self.policy, RLSpec(), self.eval.policy_prompt, eval_mode=True)

@@ -1,0 +1,371 @@
+"""The spec's sections: one frozen dataclass per config section, one field per key, each checking
+its own fields in `__post_init__` (ConfigError names the key)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rlver_jax.env.chat import SYSTEM_PROMPTS
+from rlver_jax.env.info_flow import INFO_FLOWS
+from rlver_jax.env.expected_change import CHANGE_MODES
+from rlver_jax.env.rollout import REWARD_MODES
+from rlver_jax.env.simulator_prompts import LANGUAGES, STYLES
+from rlver_jax.env.user_state import end_below_need, start_emotion_need
+from rlver_jax.rl.losses import AGG_MODES, KL_KINDS, POLICY_LOSSES
+from rlver_jax.rl.rollout_correction import IS_CORRECTIONS
+from rlver_jax.rl.turn_credit import TURN_CREDITS
+from rlver_jax.rl.update import OptimConfig
+from rlver_jax.sampling.strategies import sampling_needs
+
+SIMULATOR_BACKENDS = ("model", "http", "scripted")
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message names the key."""
+
+
+def require(key: str, value: Any, ok: bool, need: str) -> None:
+  """Raises ConfigError `config.KEY=VALUE: must be NEED` unless `ok`."""
+  if not ok:
+    raise ConfigError(f"config.{key}={value!r}: must be {need}")
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_sampling(section: str, temperature: float, top_p: float, top_k: int) -> None:
+  """The sampling ranges of every sampler (policy, held-out evaluation, simulator), as the sampler
+  states them."""
+  values = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+  for name, need in sampling_needs(temperature, top_p, top_k).items():
+    require(f"{section}.{name}", values[name], False, need)
+
+
+def _check_emotion(key: str, value: int) -> None:
+  need = start_emotion_need(value)
+  require(key, value, need is None, need)
+
+
+def _check_end_below(key: str, value: int) -> None:
+  need = end_below_need(value)
+  require(key, value, need is None, need)
+
+
+def _check_buckets(key: str, buckets: tuple) -> None:
+  ok = (buckets and all(_is_int(b) and b > 0 for b in buckets)
+        and list(buckets) == sorted(set(buckets)))
+  if not ok:
+    raise ConfigError(f"config.{key}={buckets!r}: must be strictly ascending positive token counts, "
+                      "e.g. (16, 64, 256, 1024)")
+
+
+# -- the sections ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySpec:
+  """config.policy: the trained (or evaluated) model and how it samples."""
+  checkpoint: str = "embedded"
+  preset: str = ""               # for `python -m rlver_jax.aot` only
+  param_dtype: str = "float32"
+  compute_dtype: str = "bfloat16"
+  remat: str = "full"
+  max_context: int = 8192
+  append_buckets: tuple[int, ...] = (16, 64, 256, 1024)
+  think: bool = False
+  keep_thoughts: bool = False
+  max_new_tokens: int = 1024
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  language: str = ""             # "" = each profile's own
+  stop_sequences: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    require("policy.language", self.language, self.language in ("",) + LANGUAGES,
+            f"'' (each profile's own) or one of {LANGUAGES}")
+    require("policy.stop_sequences", self.stop_sequences,
+            isinstance(self.stop_sequences, tuple)
+            and all(isinstance(s, str) and s for s in self.stop_sequences),
+            "a tuple of non-empty strings")
+    _check_sampling("policy", self.temperature, self.top_p, self.top_k)
+    _check_buckets("policy.append_buckets", self.append_buckets)
+
+  @property
+  def reshapes_sampling(self) -> bool:
+    """Whether samples come from another distribution than the model's own (T=1, untruncated)."""
+    return self.temperature != 1.0 or self.top_p != 1.0 or self.top_k != 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticSpec:
+  """config.critic (PPO): "" starts the critic from the policy checkpoint plus a zero value head."""
+  checkpoint: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatorSpec:
+  """config.simulator: the simulated user (its model or server, sampling, dialogue rules)."""
+  backend: str = "model"
+  checkpoint: str = "embedded"
+  preset: str = ""
+  dtype: str = "bfloat16"
+  style: str = "vanilla"
+  max_context: int = 16384
+  append_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024)
+  max_new_tokens: int = 512
+  temperature: float = 0.7
+  top_p: float = 0.9
+  top_k: int = 0
+  start_emotion: int = 30
+  max_turns: int = 9
+  end_below: int = 1
+  clamp_change: bool = True
+  score_guidance: bool = False
+  info_flow: str = "chat"
+  change_mode: str = "sampled"
+  max_parse_retries: int = 2
+  http_base_url: str = ""
+  http_model: str = ""
+  http_api_key_env: str = "OPENAI_API_KEY"
+  http_timeout_s: float = 120.0
+  http_deadline_s: float = 300.0
+  http_max_attempts: int = 4
+  http_max_concurrency: int = 8
+  max_failed_share: float = 0.5
+  stop_at_lines: bool = False
+
+  def __post_init__(self):
+    require("simulator.stop_at_lines", self.stop_at_lines, isinstance(self.stop_at_lines, bool),
+            "True or False")
+    require("simulator.backend", self.backend, self.backend in SIMULATOR_BACKENDS,
+            f"one of {SIMULATOR_BACKENDS}")
+    require("simulator.style", self.style, self.style in STYLES, f"one of {STYLES}")
+    require("simulator.info_flow", self.info_flow, self.info_flow in INFO_FLOWS,
+            f"one of {INFO_FLOWS}")
+    require("simulator.change_mode", self.change_mode, self.change_mode in CHANGE_MODES,
+            f"one of {CHANGE_MODES}")
+    require("simulator.change_mode", self.change_mode,
+            self.change_mode == "sampled" or self.backend == "model",
+            f"'sampled' with simulator.backend={self.backend!r} (only the co-located model "
+            "backend gives a distribution over the change values)")
+    require("simulator.max_turns", self.max_turns, self.max_turns >= 1, ">= 1")
+    _check_end_below("simulator.end_below", self.end_below)
+    require("simulator.max_parse_retries", self.max_parse_retries, self.max_parse_retries >= 0,
+            ">= 0")
+    require("simulator.max_failed_share", self.max_failed_share, 0 <= self.max_failed_share <= 1,
+            "in [0, 1]")
+    require("simulator.http_deadline_s", self.http_deadline_s, self.http_deadline_s > 0, "> 0")
+    _check_emotion("simulator.start_emotion", self.start_emotion)
+    _check_sampling("simulator", self.temperature, self.top_p, self.top_k)
+    _check_buckets("simulator.append_buckets", self.append_buckets)
+    if self.backend == "http":
+      if not self.http_base_url or not self.http_model:
+        raise ConfigError("config.simulator.http_base_url and config.simulator.http_model are "
+                          "required for the http simulator backend")
+      # OpenAI-style chat APIs take temperature and top_p only.
+      require("simulator.top_k", self.top_k, self.top_k == 0,
+              "0 with simulator.backend='http' (the chat API has no top_k)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+  """config.data: the profile file (or a shipped demo set) and the held-out share."""
+  profiles: str = "demo"
+  num_holdout: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSpec:
+  """config.rl: batch layout, advantages, rewards and the loss (configs/base.py says what each is)."""
+  profiles_per_step: int = 32
+  group_size: int = 4
+  shared_opening: bool = True
+  share_prefix: bool = True
+  epochs: int = 1
+  mini_batch_rows: int = -1
+  mini_batches: int = 1
+  micro_batch_size: int = 4
+  grpo_mean_only: bool = False
+  dynamic_sampling: bool = False
+  dynamic_sampling_max_rounds: int = 2
+  turn_credit: str = "none"
+  gamma: float = 1.0
+  lam: float = 1.0
+  whiten_advantages: bool = True
+  reward_mode: str = "terminal"
+  format_penalty: bool = False
+  clip_low: float = 0.2
+  clip_high: float = 0.2
+  dual_clip: float = 0.0
+  value_clip: float = 0.5
+  entropy_coef: float = 0.001
+  loss_agg: str = "token-mean"
+  loss_norm_len: int = 0
+  kl_coef: float = 0.0
+  kl_kind: str = "k3"
+  kl_in_reward: bool = False
+  tis_cap: float = 0.0
+  policy_loss: str = "ppo"
+  is_correction: str = "none"
+  is_cap: float = 2.0
+  logits_chunk: int = 1024
+
+  def __post_init__(self):
+    for key in ("profiles_per_step", "group_size", "epochs", "mini_batches", "micro_batch_size",
+                "logits_chunk"):
+      require(f"rl.{key}", getattr(self, key), getattr(self, key) >= 1, ">= 1")
+    require("rl.mini_batch_rows", self.mini_batch_rows, self.mini_batch_rows >= -1,
+            "-1 (profiles_per_step x group_size), 0 (use rl.mini_batches) or a row count")
+    # Counted in rows, the mini-batch count follows the rollout: a count given too would be ignored.
+    require("rl.mini_batches", self.mini_batches, self.mini_batches == 1 or self.mini_batch_rows == 0,
+            "1 unless rl.mini_batch_rows=0 (mini-batches are counted in rows otherwise)")
+    require("rl.loss_agg", self.loss_agg, self.loss_agg in AGG_MODES, f"one of {AGG_MODES}")
+    require("rl.kl_kind", self.kl_kind, self.kl_kind in KL_KINDS, f"one of {KL_KINDS}")
+    require("rl.dual_clip", self.dual_clip, self.dual_clip == 0 or self.dual_clip > 1,
+            "0 (off) or > 1")
+    require("rl.tis_cap", self.tis_cap, self.tis_cap >= 0, ">= 0 (0 = off)")
+    require("rl.reward_mode", self.reward_mode, self.reward_mode in REWARD_MODES,
+            f"one of {REWARD_MODES}")
+    require("rl.gamma", self.gamma, 0 <= self.gamma <= 1, "in [0, 1]")
+    require("rl.lam", self.lam, 0 <= self.lam <= 1, "in [0, 1]")
+    require("rl.clip_low", self.clip_low, 0 < self.clip_low < 1, "in (0, 1)")
+    require("rl.clip_high", self.clip_high, self.clip_high > 0, "> 0")
+    require("rl.value_clip", self.value_clip, self.value_clip >= 0, ">= 0 (0 = off)")
+    require("rl.entropy_coef", self.entropy_coef, self.entropy_coef >= 0, ">= 0")
+    require("rl.kl_coef", self.kl_coef, self.kl_coef >= 0, ">= 0")
+    if self.loss_norm_len < 0:
+      raise ConfigError(f"config.rl.loss_norm_len={self.loss_norm_len}: must be >= 0 "
+                        "(0 = policy.max_context)")
+    self._check_grpo_options()
+    _check_policy_loss(self)
+
+  def _check_grpo_options(self) -> None:
+    require("rl.dynamic_sampling", self.dynamic_sampling, isinstance(self.dynamic_sampling, bool),
+            "True or False")
+    rounds = self.dynamic_sampling_max_rounds
+    require("rl.dynamic_sampling_max_rounds", rounds, _is_int(rounds) and rounds >= 0,
+            "an int >= 0 (extra rollout rounds per step)")
+    require("rl.turn_credit", self.turn_credit, self.turn_credit in TURN_CREDITS,
+            f"one of {TURN_CREDITS}")
+
+  @property
+  def correction(self) -> tuple[str, float]:
+    """(rollout correction, its cap): rl.tis_cap = c > 0, the older spelling, is token_tis at c."""
+    if self.tis_cap > 0:
+      return "token_tis", self.tis_cap
+    return self.is_correction, self.is_cap
+
+  @property
+  def rows_per_mini_batch(self) -> int:
+    """rl.mini_batch_rows resolved: -1 = one step's dialogues (profiles_per_step x group_size, the
+    reference's mini-batch), 0 = off (a fixed rl.mini_batches per step), else that many rows."""
+    if self.mini_batch_rows == -1:
+      return self.profiles_per_step * self.group_size
+    return self.mini_batch_rows
+
+  @property
+  def dialogues_per_step(self) -> int:
+    return self.profiles_per_step * self.group_size
+
+
+def _check_policy_loss(rl: RLSpec) -> None:
+  """rl.policy_loss, rl.is_correction / rl.is_cap and the old rl.tis_cap beside them."""
+  require("rl.policy_loss", rl.policy_loss, rl.policy_loss in POLICY_LOSSES,
+          f"one of {POLICY_LOSSES}")
+  require("rl.dual_clip", rl.dual_clip, rl.dual_clip == 0 or rl.policy_loss != "cispo",
+          "0 with rl.policy_loss='cispo' (its clipped ratio is a weight, there is no surrogate to cap)")
+  require("rl.is_correction", rl.is_correction, rl.is_correction in IS_CORRECTIONS,
+          f"one of {IS_CORRECTIONS}")
+  require("rl.is_cap", rl.is_cap, rl.is_cap > 1, "> 1 (masks keep ratios in [1/is_cap, is_cap])")
+  require("rl.tis_cap", rl.tis_cap, rl.tis_cap == 0 or rl.is_correction == "none",
+          f"0 when rl.is_correction is set ({rl.is_correction!r}): rl.tis_cap=c is the older spelling "
+          "of rl.is_correction='token_tis' with rl.is_cap=c")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSpec:
+  """config.optim: AdamW for the actor and the critic, with a linear warm-up."""
+  actor_lr: float = 1e-6
+  critic_lr: float = 5e-6
+  warmup_unit: str = "updates"
+  warmup_steps: int = 10
+  critic_warmup_steps: int = 10
+  b1: float = 0.9
+  b2: float = 0.999
+  weight_decay: float = 0.01
+  grad_clip: float = 1.0
+
+  def __post_init__(self):
+    require("optim.actor_lr", self.actor_lr, self.actor_lr > 0, "> 0")
+    require("optim.critic_lr", self.critic_lr, self.critic_lr > 0, "> 0")
+    require("optim.warmup_steps", self.warmup_steps, self.warmup_steps >= 0, ">= 0")
+    require("optim.critic_warmup_steps", self.critic_warmup_steps, self.critic_warmup_steps >= 0,
+            ">= 0")
+    require("optim.warmup_unit", self.warmup_unit, self.warmup_unit in ("updates", "steps"),
+            "'updates' or 'steps' (RL steps)")
+    require("optim.b1", self.b1, 0 <= self.b1 < 1, "in [0, 1)")
+    require("optim.b2", self.b2, 0 <= self.b2 < 1, "in [0, 1)")
+    require("optim.weight_decay", self.weight_decay, self.weight_decay >= 0, ">= 0")
+    require("optim.grad_clip", self.grad_clip, self.grad_clip >= 0, ">= 0 (0 = off)")
+
+  def warmup(self, critic: bool = False) -> int:
+    return self.critic_warmup_steps if critic else self.warmup_steps
+
+  def optim_config(self, critic: bool = False) -> OptimConfig:
+    """The optimizer's own schedule counts updates; a warm-up in RL steps is applied by the trainer
+    (`Updater.step(lr_scale=...)`), so the optimizer then runs at a constant rate."""
+    warmup = self.warmup(critic) if self.warmup_unit == "updates" else 0
+    return OptimConfig(learning_rate=self.critic_lr if critic else self.actor_lr,
+                       warmup_steps=warmup, b1=self.b1, b2=self.b2,
+                       weight_decay=self.weight_decay, grad_clip=self.grad_clip)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSpec:
+  """config.checkpoint: how often to save, how many to keep, the grace for a save on SIGTERM."""
+  every_steps: int = 10
+  keep: int = 3
+  preempt_deadline_s: float = 25.0
+
+  def __post_init__(self):
+    require("checkpoint.every_steps", self.every_steps, self.every_steps >= 0,
+            ">= 0 (0 = at the end and on preemption only)")
+    require("checkpoint.keep", self.keep, self.keep >= 1, ">= 1")
+    require("checkpoint.preempt_deadline_s", self.preempt_deadline_s, self.preempt_deadline_s > 0,
+            "> 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+  """config.eval: the held-out evaluation during training, or the Sentient evaluation's users.
+  (`every_steps` and the sampling are training's; `batch_size` is the Sentient evaluation's.)"""
+  every_steps: int = 0
+  num_profiles: int = 0          # 0 = all
+  start_emotion: int = 40
+  max_turns: int = 9
+  end_below: int = 10
+  policy_prompt: str = "chat_partner"
+  temperature: float = 0.7
+  top_p: float = 0.8
+  top_k: int = 20
+  batch_size: int = 32
+
+  def __post_init__(self):
+    require("eval.every_steps", self.every_steps, self.every_steps >= 0, ">= 0 (0 = never)")
+    require("eval.num_profiles", self.num_profiles, self.num_profiles >= 0, ">= 0 (0 = all)")
+    require("eval.max_turns", self.max_turns, self.max_turns >= 1, ">= 1")
+    _check_end_below("eval.end_below", self.end_below)
+    require("eval.policy_prompt", self.policy_prompt, self.policy_prompt in SYSTEM_PROMPTS,
+            f"one of {SYSTEM_PROMPTS}")
+    _check_emotion("eval.start_emotion", self.start_emotion)
+    _check_sampling("eval", self.temperature, self.top_p, self.top_k)
+    require("eval.batch_size", self.batch_size, self.batch_size >= 1, ">= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSpec:
+  """config.log: transcripts (every N steps; 0 = never) and the progress bar."""
+  transcripts_every: int = 0
+  progress_bar: bool = True

@@ -1,0 +1,169 @@
+"""The RLVER training loop: profiles -> rollout -> rewards -> advantages -> fused update -> metrics ->
+checkpoint, with periodic evaluation on held-out profiles; resume from the newest good checkpoint,
+and a SIGTERM saves the last finished step (exit status 75, `train.preemption`).
+
+`run(config, workdir)` is the whole run behind `python -m rlver_jax.main`; the step itself is
+`train.trainer.Trainer.train_step`, the held-out evaluation `train.holdout`.
+"""
+from __future__ import annotations
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+from rlver_jax.env.rollout import RolloutInterrupted
+from rlver_jax.env.simulator import SIMULATOR_ERROR
+from rlver_jax.spec import RunSpec
+from rlver_jax.train.holdout import (eval_key, evaluate_holdout, evaluation_missing,
+                                     is_evaluation_step, write_evaluation)
+from rlver_jax.train.preemption import PreemptionGuard, exit_preempted, save_and_exit
+from rlver_jax.train.step_warnings import step_warnings
+from rlver_jax.train.trainer import TooManySimulatorErrors, Trainer
+
+
+class TrainingDiverged(RuntimeError):
+  pass
+
+
+def check_finite_update(step: int, metrics: dict[str, float], last_saved: int | None) -> None:
+  """Stops a run whose update produced a non-finite loss or gradient, before it saves the broken
+  weights: with checkpoint.keep rotating, the good ones would soon be gone."""
+  for k in ("loss", "grad_norm", "critic/loss", "critic/grad_norm"):
+    if k in metrics and not np.isfinite(metrics[k]):
+      saved = f"step {last_saved}" if last_saved is not None else "nothing yet"
+      raise TrainingDiverged(f"step {step}: {k}={metrics[k]} after the update (training diverged); "
+                             f"stopped without saving it, the last checkpoint holds {saved}")
+
+
+def warn_about_step(trainer: Trainer, step: int) -> list[str]:
+  """Logs (and returns) the warnings for a step that teaches nothing (`step_warnings`)."""
+  dialogues = [d for d in trainer._last_dialogues if d.termination != SIMULATOR_ERROR]  # not trained
+  sim = trainer.spec.simulator
+  alg = trainer.algorithm
+  # With turn credit a GRPO group can teach although its final rewards tie (different paths).
+  credit = alg.grouped and alg.turn_credit != "none"
+  lines = step_warnings(step, rewards=[d.reward for d in dialogues],
+                        groups=trainer.algorithm.warning_groups([d.group_id for d in dialogues]),
+                        parsed=[d.parsed for d in dialogues],
+                        user_lines=sum(len(d.user_lines) for d in dialogues),
+                        silent_replies=sum(d.silent_replies for d in dialogues),
+                        backend=sim.backend, max_new_tokens=sim.max_new_tokens,
+                        has_signal=bool(alg.informative_groups(dialogues)) if credit else None)
+  for line in lines:
+    logging.warning("%s", line)
+  return lines
+
+
+def _say(bar, line: str) -> None:
+  """One line on process 0, above the progress bar (printed even when the bar is off)."""
+  if jax.process_index() == 0:
+    bar.write(line)
+
+
+def run(config: ml_collections.ConfigDict | RunSpec, workdir: str) -> dict[str, str]:
+  """Trains until config.total_steps (resuming from WORKDIR/checkpoints) or a SIGTERM; returns
+  output paths, the step reached and `outcome` ("finished" or "preempted").
+
+  `config` is the run's spec, or its ConfigDict (notebooks, tests), turned into the spec here first:
+  a bad setting fails before anything loads."""
+  spec = config if isinstance(config, RunSpec) else RunSpec.from_config(config)
+  total = spec.total_steps
+  guard = PreemptionGuard()  # entered before the models load: a SIGTERM then is a preemption too
+  started: list[Trainer] = []
+  if jax.process_count() == 1:  # several hosts stop together at a polled point (the save is collective)
+    guard.on_signal = lambda: (
+        save_and_exit(started[0], total, spec.checkpoint.preempt_deadline_s) if started else
+        exit_preempted(f"preempted while starting, before step 1 of {total} could run; run the same "
+                       "command to resume"))
+  with guard:
+    trainer = Trainer(spec, workdir)
+    trainer.restore_if_any()
+    started.append(trainer)
+    return _train(trainer, guard)
+
+
+def _train(trainer: Trainer, guard: PreemptionGuard) -> dict[str, str]:
+  """The steps from the restored one to total_steps. A SIGTERM polled mid-rollout or mid-evaluation
+  (RolloutInterrupted) and a step that lost too many simulator requests end the same way: the last
+  finished step is saved (step 0, the pretrained start, needs none) and the run stops."""
+  from tqdm import tqdm
+  spec = trainer.spec
+  bar = tqdm(total=spec.total_steps, initial=trainer.step, desc="rlver",
+             disable=not spec.log.progress_bar or jax.process_index() != 0)
+  stopped = False
+  activity = ""  # what a SIGTERM interrupted, for its log line
+  # finally: an error mid-run still completes the checkpoint saves already started (they are async).
+  try:
+    try:
+      if evaluation_missing(trainer):
+        # The step was saved, then its evaluation was cut short (a crash or SIGTERM): redo it.
+        activity = f"the evaluation of step {trainer.step}"
+        _evaluate(trainer, guard, bar)
+      while trainer.step < spec.total_steps:
+        activity = f"the rollout of step {trainer.step + 1}"
+        # Polled between turns too: a rollout takes minutes and a preemption notice ~30 s.
+        metrics = trainer.train_step(should_stop=guard.agreed)
+        if _record_step(trainer, guard, metrics):
+          logging.warning("SIGTERM: saved step %d, exiting", trainer.step)
+          stopped = True
+          break
+        if is_evaluation_step(trainer, trainer.step):
+          # Minutes long: a preemption notice (~30 s of grace) must not wait for its end.
+          activity = f"the evaluation after step {trainer.step}"
+          _evaluate(trainer, guard, bar)
+        _advance(bar, metrics)
+    except (RolloutInterrupted, TooManySimulatorErrors) as e:
+      with trainer.lock:
+        if trainer.step > 0:  # the last finished step is kept (a no-op if it was just saved)
+          trainer.save()
+      if isinstance(e, TooManySimulatorErrors):  # the failed step is redone by the next run
+        raise
+      logging.warning("SIGTERM during %s: saved step %d, exiting", activity, trainer.step)
+      stopped = True
+  finally:
+    bar.close()
+    trainer.checkpointer.close()
+  return _outputs(trainer, stopped)
+
+
+def _record_step(trainer: Trainer, guard: PreemptionGuard, metrics: dict[str, float]) -> bool:
+  """Writes the finished step's metrics (and transcripts), saves it when due or on a SIGTERM;
+  returns whether a SIGTERM asks the run to stop."""
+  step, every = trainer.step, trainer.spec.log.transcripts_every
+  with trainer.lock:
+    trainer.writer.write(step, metrics)
+    check_finite_update(step, metrics, trainer.checkpointer.latest_step())
+    warn_about_step(trainer, step)
+    if every and step % every == 0:
+      trainer.writer.write_transcripts(step, [d.transcript() for d in trainer._last_dialogues])
+    trainer.recorded_step = step
+    preempted = guard.agreed()
+    # Saved before the held-out evaluation: an evaluation that fails (e.g. its simulator server
+    # is down) must not cost the step, and a preempted run has no time for one.
+    if trainer.checkpointer.should_save(step, trainer.spec.total_steps) or preempted:
+      trainer.save()
+  return preempted
+
+
+def _evaluate(trainer: Trainer, guard: PreemptionGuard, bar) -> None:
+  scores, dialogues = evaluate_holdout(trainer, eval_key(trainer.spec.seed), guard.agreed)
+  with trainer.lock:
+    _say(bar, write_evaluation(trainer, trainer.step, scores, dialogues))
+
+
+def _advance(bar, metrics: dict[str, float]) -> None:
+  bar.update(1)
+  bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
+                  emotion=f"{metrics['final_emotion_mean']:.1f}",
+                  turns=f"{metrics['turns_mean']:.1f}",
+                  step_s=f"{metrics['rollout_seconds'] + metrics['update_seconds']:.0f}")
+
+
+def _outputs(trainer: Trainer, stopped: bool) -> dict[str, str]:
+  plot = trainer.writer.plot_rewards()
+  trainer.writer.close()
+  return {"metrics": str(trainer.writer.path), "checkpoints": str(trainer.checkpointer.directory),
+          "transcripts": str(trainer.writer.transcripts), "reward_plot": str(plot),
+          "tensorboard": f"{trainer.workdir}/tensorboard", "step": str(trainer.step),
+          "outcome": "preempted" if stopped else "finished"}

@@ -1,0 +1,361 @@
+"""The Trainer: the run's models, optimizers and state, and one training step (rollout -> batch ->
+update -> metrics). `train.loop` drives the steps; `train.holdout` evaluates between them.
+
+Shape legend for packed batches: N samples (rows), M micro-batches, B rows per micro-batch, T tokens.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from rlver_jax import build
+from rlver_jax.env.backends import SimulatorBackendError, failure_context
+from rlver_jax.env.profiles import ProfileSampler, repeat_for_groups, split_holdout
+from rlver_jax.env.rollout import Dialogue, RolloutInterrupted, RolloutStats, run_dialogues
+from rlver_jax.env.simulator import SIMULATOR_ERROR, SimulatedUsers
+from rlver_jax.evaluation.scoring import summarize
+from rlver_jax.parallel.sharding import batch_shards, global_array, host_array
+from rlver_jax.rl.batch import UpdateBatch, to_device
+from rlver_jax.rl.pack import Packed, pack_step
+from rlver_jax.rl.prepare import batch_metrics, kl_penalised_rewards, reference_kl
+from rlver_jax.rl.rollout_correction import mismatch_metrics
+from rlver_jax.rl.update import Updater, make_optimizer, token_logprobs_and_entropy, token_values
+from rlver_jax.run import provenance
+from rlver_jax.run.checkpoint import Checkpointer, abstract_like
+from rlver_jax.run.metrics import MetricsWriter
+from rlver_jax.run.saved_config import (check_inputs_on_every_host, check_shared_workdir,
+                                        check_workdir_config, write_workdir_config)
+from rlver_jax.spec import RunSpec
+from rlver_jax.train.dynamic_sampling import Round, StepRollout, fill_informative
+from rlver_jax.train.call_metrics import take_sampler_calls, update_calls
+
+
+class Trainer:
+  """Holds the models, optimizers, samplers and the run's state; `run` drives the loop."""
+
+  def __init__(self, spec: RunSpec, workdir: str):
+    """Checks what needs the workdir and the inputs (shared workdir, files on every host, the saved
+    config), then loads the models; config.json is written only once all of that worked."""
+    self.spec = spec
+    self.algorithm = spec.algorithm
+    self.workdir = workdir
+    check_shared_workdir(workdir)
+    check_inputs_on_every_host(build.input_paths(spec))
+    check_workdir_config(spec.source, workdir)
+    self.mesh = build.mesh_from(spec.mesh)
+    profiles = build.profiles_from(spec.data.profiles)
+    start = provenance.check(spec, workdir, profiles)
+    self.train_profiles, self.holdout = split_holdout(profiles, spec.data.num_holdout, spec.seed)
+    if not self.train_profiles:
+      raise build.ConfigError(f"config.data.num_holdout={spec.data.num_holdout} leaves no training "
+                              f"profiles out of {len(profiles)}")
+    self.profile_sampler = ProfileSampler(self.train_profiles, seed=spec.seed)
+    with jax.set_mesh(self.mesh):
+      self._load_models()
+    # Replicated over the mesh like every other state leaf, so a restored key lives on the same devices.
+    self.state["rng"] = global_array(jax.random.key_data(jax.random.key(spec.seed)),
+                                     NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+    self.step = 0
+    # Held while the state changes (the update donates it) and while a step's outputs are written:
+    # a save on SIGTERM from the watcher thread waits for it, so it sees one whole step.
+    self.lock = threading.RLock()
+    self.recorded_step = 0  # the last step whose metrics row is written (what a save may hold)
+    self._sampler_after_step = self.profile_sampler.state_dict()
+    self.checkpointer = Checkpointer(workdir, every_steps=spec.checkpoint.every_steps,
+                                     keep=spec.checkpoint.keep)
+    self.writer = MetricsWriter(workdir)
+    self._logp_fn = jax.jit(self._old_logp)
+    self._value_fn = jax.jit(self._old_values)
+    write_workdir_config(spec.source, workdir)  # only now: every input above was found and loaded
+    provenance.append(workdir, start)
+
+  def _load_models(self) -> None:
+    """Policy, its sampler, the simulator backend, the updaters; the critic if the algorithm has one
+    and a frozen reference copy of the policy if a KL term needs it."""
+    spec = self.spec
+    self.policy, self.chat, self.policy_path = build.load_policy(spec.policy, self.mesh)
+    self.sampler = build.policy_sampler(self.policy, self.chat, spec.policy, self.mesh)
+    self.backend = build.simulator_backend(spec.simulator, self.mesh, seed=spec.seed,
+                                           share_prefix=spec.rl.share_prefix)
+    loss_cfg = spec.loss_config()
+    self.policy_up = Updater(self.policy, make_optimizer(spec.optim.optim_config()), "policy", loss_cfg)
+    self.state: dict[str, Any] = {"policy": nnx.state(self.policy, nnx.Param)}
+    self.state["policy_opt"] = self.policy_up.init(self.state["policy"])
+    self.critic = None
+    if self.algorithm.has_critic:
+      self.critic = build.load_critic(spec.critic, spec.policy, self.mesh, self.policy_path)
+      self.critic_up = Updater(self.critic, make_optimizer(spec.optim.optim_config(critic=True)),
+                               "value", loss_cfg)
+      self.state["critic"] = nnx.state(self.critic, nnx.Param)
+      self.state["critic_opt"] = self.critic_up.init(self.state["critic"])
+    self.ref = jax.tree.map(jnp.copy, self.state["policy"]) if spec.rl.kl_coef > 0 else None
+
+  # -- state -------------------------------------------------------------------------------------
+
+  def restore_if_any(self) -> bool:
+    restored = self.checkpointer.restore_newest_good(abstract_like(self.state))
+    if restored is None:
+      self.writer.drop_after(0)  # rows of an earlier attempt that never saved: it starts over
+      return False
+    state, meta = restored
+    self.state = state
+    self.step = int(meta["step"])
+    self.profile_sampler.load_state_dict(meta["profile_sampler"])
+    self._sampler_after_step = self.profile_sampler.state_dict()
+    self.recorded_step = self.step
+    shards = batch_shards(self.mesh)
+    saved = meta.get("batch_shards", shards)  # checkpoints of older versions did not record it
+    if shards != saved:  # e.g. mesh.fsdp=-1 on a different slice: training goes on, but differently
+      logging.warning("step %d was trained with %d batch shards, this mesh has %d: each micro-batch "
+                      "now holds rl.micro_batch_size x %d rows instead of x %d", self.step, saved,
+                      shards, shards, saved)
+    self.writer.drop_after(self.step)
+    logging.info("resumed from step %d", self.step)
+    return True
+
+  def save(self) -> None:
+    meta = {"step": self.step, "profile_sampler": self._sampler_after_step,
+            "config": self.spec.source, "batch_shards": batch_shards(self.mesh)}
+    self.checkpointer.save(self.step, self.state, meta)
+
+  # -- one step ----------------------------------------------------------------------------------
+
+  def rollout(self, rng, should_stop=None) -> tuple[list[Dialogue], RolloutStats]:
+    rl, s = self.spec.rl, self.spec.simulator
+    # Every host samples the whole global batch (same seed, same order): parsing replies and the
+    # simulator's decisions run on the host and need every row's text everywhere. Token ids come
+    # back from the devices through `host_array`, so all hosts append the same tokens.
+    profiles = self.profile_sampler.next_batch(rl.profiles_per_step)
+    profiles, groups = repeat_for_groups(profiles, rl.group_size)
+    reseed_simulator(self.backend, rng)
+    users = SimulatedUsers(profiles, self.backend, style=s.style, start_emotion=s.start_emotion,
+                           max_turns=s.max_turns, max_parse_retries=s.max_parse_retries,
+                           groups=groups if rl.shared_opening else None, end_below=s.end_below,
+                           clamp_change=s.clamp_change, score_guidance=s.score_guidance,
+                           info_flow=s.info_flow,
+                           change_mode=s.change_mode)
+    stats = RolloutStats()
+    sim_before = self.backend.prefill_tokens  # the co-located model's count (else None)
+    dialogues = run_dialogues(profiles, groups, users, sampler=self.sampler, params=self.state["policy"],
+                              chat=self.chat, cfg=self.spec.rollout_config(), rng=rng, stats=stats,
+                              should_stop=should_stop)
+    if sim_before is not None:
+      stats.simulator_prefill_tokens = self.backend.prefill_tokens - sim_before
+    return dialogues, stats
+
+  def _old_logp(self, params, tokens, seg):
+    model = nnx.merge(self.policy_up.graphdef, params, self.policy_up.rest)
+    return jax.lax.map(lambda a: token_logprobs_and_entropy(model, a[0], a[1],
+                                                            self.spec.rl.logits_chunk)[0], (tokens, seg))
+
+  def _old_values(self, params, tokens, seg):
+    model = nnx.merge(self.critic_up.graphdef, params, self.critic_up.rest)
+    return jax.lax.map(lambda a: token_values(model, a[0], a[1]), (tokens, seg))
+
+  def make_batch(self, dialogues: list[Dialogue]) -> tuple[UpdateBatch, dict[str, float]]:
+    """The step's update batch from its dialogues (packed, placed, scored by the models), and the
+    batch's metrics."""
+    rl = self.spec.rl
+    # micro_batch_size counts rows per batch shard, so every device gets its own rows (a global
+    # micro-batch smaller than the shard count would be replicated: the same rows on every device).
+    p = pack_step(dialogues, rl.micro_batch_size * batch_shards(self.mesh), self.chat.pad_id,
+                  mini_batch_rows=rl.rows_per_mini_batch, mini_batches=rl.mini_batches)
+    device = lambda x: to_device(x.reshape(p.layout.step_shape), self.mesh)
+    tokens, seg = device(p.tokens), device(p.segment_ids)
+    old_logp = self._logp_fn(self.state["policy"], tokens, seg)
+    rewards, ref_logp, metrics = self._reference(p, tokens, seg, old_logp)
+    metrics.update(mismatch_metrics(host_array(old_logp), p.rollout_logp, p.loss_mask,
+                                    cap=rl.correction[1]))
+    values = None
+    if self.algorithm.has_critic:
+      values = self._value_fn(self.state["critic"], tokens, seg)
+    target = self.algorithm.targets(
+        dialogues, p, rewards, None if values is None else host_array(values).reshape(p.loss_mask.shape))
+    metrics.update(target.metrics)
+    batch = UpdateBatch(tokens=tokens, segment_ids=seg, loss_mask=device(p.loss_mask),
+                        old_logp=old_logp, advantages=device(target.advantages),
+                        rollout_logp=device(p.rollout_logp),
+                        ref_logp=None if ref_logp is None else device(ref_logp), old_values=values,
+                        returns=None if target.returns is None else device(target.returns),
+                        mini_batches=p.layout.mini_batches)
+    return batch, {**metrics, **batch_metrics(p)}
+
+  def _reference(self, p: Packed, tokens: jax.Array, seg: jax.Array, old_logp: jax.Array
+                 ) -> tuple[np.ndarray, np.ndarray | None, dict[str, float]]:
+    """With a reference policy: (rewards, its log-probs for a KL term in the loss or None when the
+    KL goes into the rewards, the kl_ref metric). Without one: (rewards, None, {})."""
+    if self.ref is None:
+      return p.rewards, None, {}
+    rl = self.spec.rl
+    ref_logp = host_array(self._logp_fn(self.ref, tokens, seg)).reshape(p.loss_mask.shape)
+    old = host_array(old_logp).reshape(p.loss_mask.shape)
+    metrics = {"kl_ref": reference_kl(old, ref_logp, p.loss_mask)}
+    if rl.kl_in_reward:
+      rewards = kl_penalised_rewards(p.rewards, old, ref_logp, p.loss_mask, coef=rl.kl_coef,
+                                     kind=rl.kl_kind)
+      return rewards, None, metrics
+    return p.rewards, ref_logp, metrics
+
+  def update(self, batch: UpdateBatch) -> dict[str, float]:
+    """One optimizer update per mini-batch and epoch (`batch.mini_batches`, from make_batch)."""
+    epochs = self.spec.rl.epochs
+    M = batch.mini_batches
+    metrics: dict[str, list] = {}
+    # Policy tokens per mini-batch: the per-token metrics are averaged with these weights.
+    tokens = (host_array(batch.loss_mask) > 0).sum(axis=(1, 2))
+    # A mini-batch of padding only (fewer samples than micro-batches x mini_batches) is skipped: its
+    # gradient is zero, but an AdamW step would still move the weights (momentum, weight decay) and
+    # advance the warm-up. (A step without any policy token keeps one, so its metrics exist.)
+    parts = [part for part in range(M) if tokens[part::M].sum() > 0] or [0]
+    weights = [float(tokens[part::M].sum()) for part in parts] * epochs
+    scale, critic_scale = self._step_warmup(), self._step_warmup(critic=True)
+    for _ in range(epochs):
+      for part in parts:
+        mini = batch.mini_batch(part)
+        self.state["policy"], self.state["policy_opt"], m = self.policy_up.step(
+            self.state["policy"], self.state["policy_opt"], mini, lr_scale=scale)
+        if self.algorithm.has_critic:
+          self.state["critic"], self.state["critic_opt"], mv = self.critic_up.step(
+              self.state["critic"], self.state["critic_opt"], mini, lr_scale=critic_scale)
+          m = {**m, **{f"critic/{k}": v for k, v in mv.items()}}
+        for k, v in m.items():
+          metrics.setdefault(k, []).append(float(v))
+    w = np.asarray(weights) if sum(weights) > 0 else np.ones(len(weights))
+    out = {}
+    for k, v in metrics.items():
+      if k.endswith("ratio_max") or k.endswith("ratio_min"):
+        out[k] = float(np.max(v) if k.endswith("max") else np.min(v))
+      elif k.endswith("grad_norm"):  # one value per optimizer update, whatever its size
+        out[k] = float(np.mean(v))
+      else:
+        out[k] = float(np.average(v, weights=w))
+    out["optimizer_updates"] = float(len(parts) * epochs)
+    return out
+
+  def _step_warmup(self, critic: bool = False) -> float | None:
+    """With optim.warmup_unit = "steps" (the reference's), the learning rate's fraction for this RL
+    step: step / warmup over the first `warmup` steps, then 1 (None: the optimizer counts updates)."""
+    if self.spec.optim.warmup_unit != "steps":
+      return None
+    warmup = self.spec.optim.warmup(critic)
+    return min(self.step / warmup, 1.0) if warmup > 0 else 1.0
+
+  def _without_simulator_errors(self, dialogues: list[Dialogue]) -> list[Dialogue]:
+    """The dialogues to train on: those a failed simulator request cut short get no loss weight and
+    stay out of the group statistics. Too many of them stop the run (TooManySimulatorErrors)."""
+    trained = [d for d in dialogues if d.termination != SIMULATOR_ERROR]
+    failed, limit = len(dialogues) - len(trained), self.spec.simulator.max_failed_share
+    if failed and (failed > limit * len(dialogues) or not trained):
+      raise TooManySimulatorErrors(
+          f"step {self.step + 1}: {failed} of {len(dialogues)} dialogues ({failed / len(dialogues):.0%}) "
+          f"ended with simulator_error, more than simulator.max_failed_share={limit:g}; "
+          f"{failure_context(self.backend)}")
+    return trained
+
+  def _step_rollout(self, rng, should_stop) -> StepRollout:
+    """The step's dialogues: one rollout, or with rl.dynamic_sampling as many rounds as it takes to
+    fill the batch with informative groups (`train.dynamic_sampling`)."""
+    dialogues, stats = self.rollout(rng, should_stop)
+    first = Round(dialogues, self._without_simulator_errors(dialogues), stats)
+    rl = self.spec.rl
+    if not rl.dynamic_sampling:
+      return StepRollout.plain(first)
+
+    def another(r: int) -> Round:
+      more, more_stats = self.rollout(jax.random.fold_in(rng, _EXTRA_ROUND_STREAM + r), should_stop)
+      return Round(more, self._without_simulator_errors(more), more_stats)
+
+    return fill_informative(first, another, self.algorithm.informative_groups,
+                            groups=rl.profiles_per_step, max_rounds=rl.dynamic_sampling_max_rounds)
+
+  def train_step(self, should_stop=None) -> dict[str, float]:
+    """One rollout + update. `should_stop` is polled between rollout turns; if it fires, the step is
+    abandoned before anything changed (RolloutInterrupted) and the state is still the last step's."""
+    rng = jax.random.fold_in(jax.random.wrap_key_data(self.state["rng"]), self.step)
+    t0 = time.perf_counter()
+    before = self.profile_sampler.state_dict()
+    self.backend.take_counts()  # zeroed: the step's metrics count the step's HTTP requests
+    take_sampler_calls(self.sampler, self.backend)  # zeroed too (a held-out evaluation ran them)
+    with jax.set_mesh(self.mesh):
+      try:
+        rolled = self._step_rollout(rng, should_stop)
+      except (RolloutInterrupted, TooManySimulatorErrors):
+        self.profile_sampler.load_state_dict(before)  # a resume redoes this step's batch
+        raise
+      t1 = time.perf_counter()
+      calls = take_sampler_calls(self.sampler, self.backend)
+      with self.lock:
+        batch, extra = self.make_batch(rolled.trained)
+        metrics = self.update(batch)
+        jax.block_until_ready(self.state["policy"])
+        self.step += 1
+        self._sampler_after_step = self.profile_sampler.state_dict()
+    t2 = time.perf_counter()
+    dialogues, stats = rolled.dialogues, rolled.stats
+    self._last_dialogues = dialogues
+    self._last_stats = stats
+    # The first round's (the only one without dynamic sampling): rewards of its trained dialogues,
+    # every termination's share.
+    out = summarize_rollout(rolled.first.trained)
+    out.update({k: v for k, v in summarize_rollout(rolled.first.dialogues).items()
+                if k.startswith("termination/")})
+    out["simulator/error_dialogues"] = float(sum(d.termination == SIMULATOR_ERROR for d in dialogues))
+    out.update(rolled.metrics)
+    out.update({f"simulator/http_{k}": float(v) for k, v in self.backend.take_counts().items()})
+    out.update(metrics)
+    out.update(extra)
+    out.update(calls, **update_calls(batch.tokens.shape, batch.mini_batches, metrics["optimizer_updates"],
+                                     scoring_passes=1 + (self.ref is not None) + (self.critic is not None)))
+    out.update(rollout_seconds=t1 - t0, update_seconds=t2 - t1,
+               rollout_fraction=(t1 - t0) / max(t2 - t0, 1e-9),
+               rollout_policy_tokens_per_s=stats.policy_tokens / max(t1 - t0, 1e-9),
+               policy_prefill_tokens=float(stats.policy_prefill_tokens),
+               update_tokens_per_s=extra["sample_tokens"] * self.spec.rl.epochs / max(t2 - t1, 1e-9))
+    if stats.simulator_prefill_tokens is not None:
+      out["simulator_prefill_tokens"] = float(stats.simulator_prefill_tokens)
+    return out
+
+
+def summarize_rollout(dialogues: list[Dialogue]) -> dict[str, float]:
+  """A step's rollout metrics: rewards, final emotions, rates, turns, failures, termination shares."""
+  rewards = np.array([d.reward for d in dialogues])
+  s = summarize(dialogues)
+  out = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+         "final_emotion_mean": s["score"], "success_rate": s["success_rate"],
+         "failure_rate": s["failure_rate"], "positive_rate": s["positive_rate"],
+         "turns_mean": s["mean_turns"], "parse_failures": float(s["parse_failures"]),
+         "reply_failures": float(s["reply_failures"]), "silent_replies": float(s["silent_replies"]),
+         "format_violation_rate": float(np.mean([not all(d.format_ok) for d in dialogues])),
+         "unparsed_emotion_rate": _unparsed_rate(dialogues)}
+  for reason, n in s["terminations"].items():
+    out[f"termination/{reason}"] = n / len(dialogues)
+  return out
+
+
+def _unparsed_rate(dialogues: list[Dialogue]) -> float:
+  """Share of emotion steps whose change line could not be read, even after the retries."""
+  steps = [ok for d in dialogues for ok in d.parsed]
+  return float(steps.count(False) / len(steps)) if steps else 0.0
+
+
+_SIMULATOR_STREAM = 0x51A  # fold_in tag: the simulator's key, apart from the policy's
+_EXTRA_ROUND_STREAM = 0xD5 << 8  # fold_in tags of dynamic sampling's extra rounds (+ round)
+
+
+def reseed_simulator(backend, rng) -> None:
+  """A sampling simulator draws from a key derived from `rng` (the step's key, restored on resume),
+  not from a stream it advanced itself: resumed runs repeat it, and evaluations do not shift it."""
+  backend.reseed(jax.random.fold_in(rng, _SIMULATOR_STREAM))
+
+
+class TooManySimulatorErrors(SimulatorBackendError):
+  """More than simulator.max_failed_share of a step's dialogues lost their simulator."""
+

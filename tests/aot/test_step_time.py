@@ -1,0 +1,205 @@
+"""The step-time model: roofline arithmetic against hand numbers, loop counting in XLA's cost,
+lockstep call layout against a hand trace, and the CLI on the smallest TPU slice (libtpu)."""
+import importlib.util
+import json
+import pathlib
+import runpy
+
+import jax
+import jax.numpy as jnp
+import pytest
+from absl import flags
+from absl.testing import flagsaver
+
+from rlver_jax.aot import step_calls, step_time
+from rlver_jax.aot.chips import CHIPS, ChipSpec, chip_for_kind
+from rlver_jax.aot.collectives import collective_bytes
+from rlver_jax.aot.step_time import Cost, PhaseTime, extrapolate
+
+_REPO = pathlib.Path(__file__).resolve().parents[2]
+_CHIP = ChipSpec("test", flops_per_s=1e12, bytes_per_s=1e9)
+_LINKED = ChipSpec("test", flops_per_s=1e12, bytes_per_s=1e9, link_bytes_per_s=1e9)
+
+
+def _config(name="grpo_think", arg="runlocal"):
+  return runpy.run_path(str(_REPO / "configs" / f"{name}.py"))["get_config"](arg)
+
+
+def test_roofline_seconds_by_hand():
+  assert Cost(2e12, 1e9).seconds(_CHIP) == pytest.approx(2.0)      # 2 s of FLOPs > 1 s of bytes
+  assert Cost(2e12, 1e9).bound(_CHIP) == "compute"
+  assert Cost(1e12, 3e9).seconds(_CHIP) == pytest.approx(3.0)      # 1 s of FLOPs < 3 s of bytes
+  assert Cost(1e12, 3e9).bound(_CHIP) == "memory"
+  assert Cost(1e12, 3e9, 5e9).seconds(_LINKED) == pytest.approx(3.0)   # the roofline leaves links out
+  assert Cost(1e12, 3e9, 5e9).seconds(_LINKED, collectives=True) == pytest.approx(5.0)
+  assert Cost(1e12, 3e9, 5e9).bound(_LINKED, collectives=True) == "collectives"
+  # v5p: 459 TFLOP/s, 2,765 GB/s: a 7B bf16 weight read (15.2 GB) takes 5.5 ms.
+  assert Cost(0, 15.2e9).seconds(CHIPS["v5p"]) == pytest.approx(15.2 / 2765, rel=1e-9)
+  assert chip_for_kind("TPU v5") is CHIPS["v5p"] and chip_for_kind("TPU v5 lite") is CHIPS["v5e"]
+  with pytest.raises(ValueError, match="no peak FLOP/s or bandwidth known for device kind 'z80'"):
+    chip_for_kind("z80")
+  with pytest.raises(ValueError, match="must be > 0"):
+    ChipSpec("bad", 0, 1)
+
+
+def test_phase_sums_and_dominant_bound_by_hand():
+  p = PhaseTime()
+  p.add(Cost(1e12, 3e9), 2, _CHIP)    # 2 calls x 3 s, memory-bound
+  p.add(Cost(4e12, 1e9), 1, _CHIP)    # 1 call x 4 s, compute-bound
+  p.add(Cost(0, 0, 8e9), 1, _LINKED)  # 8 GB over a 1 GB/s link: only in the column with link time
+  assert p.calls == 4 and p.seconds == pytest.approx(10.0) and p.by_bound["memory"] == pytest.approx(6.0)
+  assert p.seconds_with_links == pytest.approx(18.0)
+  assert p.cost == Cost(6e12, 7e9, 8e9) and p.bound == "memory (60% of its time)"
+
+
+def test_collective_bytes_from_hlo_by_hand():
+  hlo = "\n".join([
+      # 4 devices gather a [1024, 512] bf16 weight: each receives 3/4 of 1 MiB.
+      "  %all-gather.5 = bf16[1024,512]{1,0} all-gather(%p), channel_id=3, "
+      "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, dimensions={0}",
+      # 8 devices (both axes) all-reduce 1000 f32: 2 x 7/8 x 4000 bytes.
+      "  %all-reduce.1 = f32[1000]{0} all-reduce(%g), channel_id=4, "
+      "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0','axis_1'}, to_apply=%add",
+      # An async start's tuple holds its input and output: the output (the larger) counts, once.
+      "  %all-gather-start = (f32[8]{0}, f32[16]{0}) all-gather-start(%q), replica_groups={{0,1}}",
+      "  %all-gather-done = f32[16]{0} all-gather-done(%all-gather-start)",
+      "  %reduce-scatter = f32[250]{0} reduce-scatter(%r), replica_groups={{0,1,2,3}}, dimensions={0}",
+      "  %fusion = f32[64]{0} fusion(%all-gather.5), kind=kLoop"])
+  expected = 0.75 * 1024 * 512 * 2 + 2 * 7 / 8 * 4000 + 0.5 * 64 + 3 * 1000
+  assert collective_bytes(hlo) == pytest.approx(expected)
+
+
+def test_extrapolation_to_depth_and_window_by_hand():
+  at = {2: Cost(10, 100), 3: Cost(13, 150)}   # 3 FLOPs and 50 bytes a layer over 4 and 0 outside
+  assert extrapolate(at, 28) == Cost(10 + 26 * 3, 100 + 26 * 50)
+  assert extrapolate({64: Cost(0, 64), 1024: Cost(0, 1024)}, 512) == Cost(0, 512)
+  assert extrapolate({5: Cost(1, 2)}, 99) == Cost(1, 2)
+
+
+class _FixedCosts:
+  """A CostModel stand-in with one cost per program kind (no compiling)."""
+  config = _config("ppo_think")
+
+  def sampler_call(self, role, kind, tokens, window):
+    return Cost(0, window * (1e6 if kind == "decode" else 1e3 * tokens))
+
+  def update_micro_batch(self, rows, length, critic=False):
+    return Cost(rows * length * (2e9 if critic else 1e9), 0)
+
+  def forward_micro_batch(self, rows, length):
+    return Cost(rows * length * 1e8, 0)
+
+
+def test_estimate_multiplies_costs_by_calls_by_hand():
+  calls = {"policy/decode_steps/W64": 10, "policy/decode_steps/W128": 5, "simulator/decode_steps/W256": 2,
+           "policy/prefill/T256/W64": 1, "simulator/append/T64/W512": 3, "policy/prefill_calls": 1,
+           "policy/decode_calls": 2, "update/micro_batches": 4, "update/rows": 2, "update/length": 100,
+           "forward/micro_batches": 6}
+  phases = step_time.estimate(_FixedCosts(), calls, _CHIP)
+  assert phases["policy decode"].seconds == pytest.approx((10 * 64e6 + 5 * 128e6) / 1e9)
+  assert phases["simulator decode"].seconds == pytest.approx(2 * 256e6 / 1e9)
+  assert phases["prefills"].seconds == pytest.approx((64 * 256e3 + 3 * 512 * 64e3) / 1e9)
+  # PPO: the policy's and the critic's update per micro-batch, then the scoring passes.
+  assert phases["update"].seconds == pytest.approx((4 * 200 * 3e9 + 6 * 200 * 1e8) / 1e12)
+  assert phases["prefills"].calls == 4 and phases["update"].bound.startswith("compute")
+
+
+def _scan_matmuls(x, ws):
+  return jax.lax.scan(lambda h, w: (h @ w, None), x, ws)[0]
+
+
+def test_unrolled_loops_count_every_iteration_on_cpu():
+  mesh = jax.sharding.Mesh(jax.devices("cpu")[:1], ("x",))
+  x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+  flops = {}
+  for L in (1, 4):
+    ws = jax.ShapeDtypeStruct((L, 128, 128), jnp.float32)
+    flops[L] = step_time.compiled_cost(jax.jit(_scan_matmuls), (x, ws), mesh).flops
+    plain = jax.jit(_scan_matmuls).lower(x, ws).compile().cost_analysis()
+    plain = plain[0] if isinstance(plain, (list, tuple)) else plain
+    assert plain["flops"] == pytest.approx(2 * 8 * 128 * 128, rel=1e-3)  # XLA alone: the body once, any L
+  one = 2 * 8 * 128 * 128
+  assert flops == {1: pytest.approx(one, rel=1e-3), 4: pytest.approx(4 * one, rel=1e-3)}
+
+  def loop(x, w):  # a while loop costs one iteration of its body, not its trip count
+    return jax.lax.while_loop(lambda s: s[1] < 5, lambda s: (s[0] @ w, s[1] + 1), (x, 0))[0]
+  w = jax.ShapeDtypeStruct((128, 128), jnp.float32)
+  assert step_time.compiled_cost(jax.jit(loop), (x, w), mesh).flops == pytest.approx(one, rel=1e-3)
+  assert jax.lax.scan is not None and jax.lax.scan.__name__ == "scan"  # restored afterwards
+
+  # A program traced before with its loop (jax caches the trace) is traced again unrolled, and the
+  # unrolled trace does not leak to later callers.
+  looped, ws = jax.jit(_scan_matmuls), jax.ShapeDtypeStruct((3, 128, 128), jnp.float32)
+  with jax.set_mesh(mesh):  # the same context as compiled_cost's: part of the cache's key
+    assert " while(" in looped.lower(x, ws).compile().as_text()
+  assert step_time.compiled_cost(looped, (x, ws), mesh).flops == pytest.approx(3 * one, rel=1e-3)
+  with jax.set_mesh(mesh):
+    assert " while(" in looped.lower(x, ws).compile().as_text()
+
+
+def test_stated_calls_follow_the_lockstep_rollout_by_hand():
+  """grpo_think:runlocal (policy cache 1k, windows 64..1024; simulator 3k), thoughts dropped."""
+  lengths = step_calls.StatedLengths(turns=2, policy_tokens=32, reply_tokens=20, user_tokens=30,
+                                     simulator_tokens=40, policy_prompt=100, simulator_prompt=120,
+                                     instruction_tokens=30)
+  calls = step_calls.stated_calls(_config(), lengths)
+  assert calls == {
+      "policy/prefill/T256/W64": 1,       # 100 prompt tokens into an empty cache
+      "policy/decode_steps/W256": 64,     # 32 steps from 100 (window 132 -> 256), then from 151
+      "policy/append/T64/W128": 1,        # rewound to 100: reply 20 + <|im_end|> + user 30 = 51
+      "simulator/append/T128/W64": 1,     # its first prompt
+      "simulator/decode_steps/W256": 80,  # the opening (120 -> 160), turn 1's emotion (210 -> 250)
+      "simulator/append/T64/W256": 2,     # turn 1: reply + emotion instruction at 160, reply instr. at 250
+      "simulator/decode_steps/W512": 80,  # turn 1's reply (280 -> 320), turn 2's emotion (370 -> 410)
+      "simulator/append/T64/W512": 1,     # turn 2: reply + emotion instruction at 320
+      # 2 dialogues x 2 turns = 4 samples of <= 183 tokens -> length 192; 2 mini-batches of 2 rows.
+      "update/micro_batches": 2, "update/rows": 2, "update/length": 192, "forward/micro_batches": 2}
+  with pytest.raises(ValueError, match="--turns=0: must be >= 1"):
+    step_calls.StatedLengths(0, 1, 1, 1, 1, 1, 1, 1)
+
+
+def test_calls_from_metrics_reads_a_step_and_names_a_bad_file(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  rows = [{"step": 1, "calls/policy/decode_steps/W64": 3.0, "rollout_seconds": 2.0},
+          {"step": 2, "calls/policy/decode_steps/W64": 5.0, "rollout_seconds": 1.0, "update_seconds": 1.5}]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  assert step_calls.calls_from_metrics(str(path)) == (
+      {"policy/decode_steps/W64": 5.0}, {"rollout_seconds": 1.0, "update_seconds": 1.5, "step": 2.0})
+  assert step_calls.calls_from_metrics(str(path), 1)[0] == {"policy/decode_steps/W64": 3.0}
+  with pytest.raises(ValueError, match=r"--calls_from=.*: no calls/\* metrics in step 7"):
+    step_calls.calls_from_metrics(str(path), 7)
+  with pytest.raises(ValueError, match="--calls_from=/nonexistent: cannot read"):
+    step_calls.calls_from_metrics("/nonexistent")
+
+
+# -- the command line on the smallest TPU slice -----------------------------------------------------
+
+_needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                   reason='libtpu is not installed (pip install "jax[tpu]==0.10.2")')
+
+
+@pytest.fixture
+def tiny_run_config(monkeypatch):
+  """test_aot's tiny run config: a 2-layer policy and a 1-layer simulator on 256-slot caches."""
+  from rlver_jax.models import presets
+  import test_aot  # pylint: disable=import-outside-toplevel
+  monkeypatch.setitem(presets.PRESETS, "aot-test-tiny", test_aot._TINY)
+  return test_aot._tiny_run()
+
+
+@_needs_libtpu
+def test_cli_estimates_a_tiny_run_on_one_v5e_chip(tiny_run_config, tmp_path, capsys):
+  from rlver_jax.aot import cli
+  flags.FLAGS.mark_as_parsed()
+  metrics = tmp_path / "metrics.jsonl"
+  metrics.write_text(json.dumps({"step": 3, "rollout_seconds": 0.5, "update_seconds": 0.25,
+                                 "calls/policy/decode_steps/W256": 10.0,
+                                 "calls/update/micro_batches": 2.0, "calls/update/rows": 2.0,
+                                 "calls/update/length": 128.0, "calls/forward/micro_batches": 2.0}) + "\n")
+  with flagsaver.flagsaver(estimate_time=True, topology="v5e:1x1", calls_from=f"{metrics}:3"):
+    cli._run(tiny_run_config)
+  out = capsys.readouterr().out
+  assert "step time on v5e:1x1 (mesh 1x1x1, 2 cache rows, lockstep)" in out
+  assert "(step 3); 4 programs compiled" in out   # decode at 2 windows, the update, the log-prob pass
+  assert "| policy decode | 10 |" in out and "| simulator decode | 0 |" in out
+  assert "measured: rollout 0.50 s, update 0.25 s" in out and "TPU v5e at 197 TFLOP/s" in out

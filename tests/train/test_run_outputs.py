@@ -102,16 +102,20 @@ def test_reward_start_end_never_overlaps():
   assert n == 3 and first == pytest.approx(0.2) and last == pytest.approx(0.7)
 
 
-def _main(args):
+def _main(args, xla_cache: pathlib.Path):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO / "tests" / "fixtures"))
   env.pop("XLA_FLAGS", None)
+  # The second launch loads what the first compiled: this test is about the console, not compiles.
+  env.update(JAX_COMPILATION_CACHE_DIR=str(xla_cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   return subprocess.run([sys.executable, "-m", "rlver_jax.main", *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=900)
 
 
 def test_console_is_quiet_unless_asked_and_ends_with_a_summary(world, tmp_path):
+  cache = tmp_path.parent / f"{tmp_path.name}_xla"
   flags = tiny_world.cli_flags(world, "grpo", str(tmp_path), 2, **{"log.transcripts_every": 1})
-  quiet = _main(flags)
+  quiet = _main(flags, cache)
   assert quiet.returncode == 0, quiet.stderr[-3000:]
   assert not _LIBRARY_INFO.search(quiet.stderr), _LIBRARY_INFO.findall(quiet.stderr)[:3]
   out = quiet.stdout
@@ -124,7 +128,7 @@ def test_console_is_quiet_unless_asked_and_ends_with_a_summary(world, tmp_path):
     assert str(tmp_path / path) in out
   assert "a late dialogue (step 2" in out and "  policy: " in out
   # The same run continued one step with the absl flag: the libraries' INFO lines are back.
-  loud = _main(tiny_world.cli_flags(world, "grpo", str(tmp_path), 3) + ["--verbosity=0"])
+  loud = _main(tiny_world.cli_flags(world, "grpo", str(tmp_path), 3) + ["--verbosity=0"], cache)
   assert loud.returncode == 0, loud.stderr[-3000:]
   assert _LIBRARY_INFO.search(loud.stderr)
 

@@ -35,6 +35,11 @@ for name, arg, workdir in zip(sys.argv[1::3], sys.argv[2::3], sys.argv[3::3]):
 def test_runlocal_configs_run_one_step(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
+  # Each run's Trainer jits its update and log-prob programs anew; this run-local persistent cache
+  # lets a later config load what an earlier one compiled for the same shapes.
+  env.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla_cache"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   args = [a for name, arg in RUNS for a in (name, arg, str(tmp_path / name))]
   proc = subprocess.run([sys.executable, "-c", _SCRIPT, *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=2400)

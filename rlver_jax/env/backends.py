@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 import jax
 from absl import logging

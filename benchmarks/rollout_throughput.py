@@ -65,9 +65,9 @@ class TimedSampler(Sampler):
     self.seconds += time.perf_counter() - t0 - (_overhead() - c0)
     return out
 
-  def append(self, params, cache, rows, prev_logits=None):
+  def append(self, params, cache, rows, prev_logits=None, **kwargs):
     self.appended += sum(len(r) for r in rows)
-    return self._timed(super().append, params, cache, rows, prev_logits)
+    return self._timed(super().append, params, cache, rows, prev_logits, **kwargs)
 
   def decode(self, *args, **kwargs):
     return self._timed(super().decode, *args, **kwargs)
@@ -82,7 +82,7 @@ class RePrefillSampler(TimedSampler):
 
   mirror: list[list[int]] = []
 
-  def append(self, params, cache, rows, prev_logits=None):
+  def append(self, params, cache, rows, prev_logits=None, **kwargs):
     lengths = np.asarray(jax.device_get(cache.lengths))
     if len(self.mirror) != len(rows):
       self.mirror = [[] for _ in rows]
@@ -90,7 +90,7 @@ class RePrefillSampler(TimedSampler):
     has_new = np.array([len(r) > 0 for r in rows])
     cache = cache.with_lengths(np.where(has_new, 0, lengths).astype(np.int32))
     full = [m if h else [] for m, h in zip(self.mirror, has_new)]
-    return super().append(params, cache, full, prev_logits)
+    return super().append(params, cache, full, prev_logits, **kwargs)
 
   def decode(self, *args, **kwargs):
     res = super().decode(*args, **kwargs)
@@ -102,9 +102,10 @@ class RePrefillSampler(TimedSampler):
 class EndingUser(ScriptedBackend):
   """The scripted user, but dialogue d says goodbye in its reply of policy turn 1 + d % turns."""
 
-  def __init__(self, turns: int):
+  def __init__(self, turns: int, first: int = 0):
+    """`first`: the id of row 0's dialogue (a wave of `lockstep-half` starts past 0)."""
     super().__init__()
-    self.turns = turns
+    self.turns, self.first = turns, first
     self.replies: list[int] = []
 
   def reset(self, num_rows: int) -> None:
@@ -115,7 +116,7 @@ class EndingUser(ScriptedBackend):
     if r.kind != "reply":
       return super()._one(r)
     self.replies[r.row] += 1
-    if self.replies[r.row] == 1 + r.row % self.turns:
+    if self.replies[r.row] == 1 + (self.first + r.row) % self.turns:
       return "Plan: leave now.\nReply: Goodbye, and thank you."
     return super()._one(r)
 
@@ -139,8 +140,32 @@ def make_samplers(kind: str, model, chat: ChatTokens, args):
   return policy, sim
 
 
+def waves(model, params, chat: ChatTokens, args, seed: int) -> dict:
+  """`lockstep-half`: the same dialogues as `continuous` on as many rows, but in lockstep waves of
+  half the dialogues each (the scripted-ends user; what a lockstep rollout does on those rows)."""
+  policy, _ = make_samplers("cached", model, chat, args)
+  half = max(args.dialogues // 2, 1)
+  profiles = (load_demo_profiles() * args.dialogues)[: args.dialogues]
+  stats, done, t0, c0 = RolloutStats(), [], time.perf_counter(), _overhead()
+  for first in range(0, len(profiles), half):
+    part = profiles[first:first + half]
+    users = SimulatedUsers(part, EndingUser(args.turns, first), style="vanilla", start_emotion=30,
+                           max_turns=args.turns, max_parse_retries=1)
+    cfg = RolloutConfig(think=args.think, max_new_tokens=args.policy_new, temperature=1.0)
+    done += run_dialogues(part, list(range(len(part))), users, sampler=policy, params=params, chat=chat,
+                          cfg=cfg, rng=jax.random.fold_in(jax.random.key(seed), first), stats=stats)
+  wall, compile_s = time.perf_counter() - t0, _overhead() - c0
+  return dict(wall=wall - compile_s, compile_s=compile_s, turns=stats.policy_turns,
+              policy_tokens=stats.policy_tokens, policy_s=policy.seconds, policy_in=policy.appended,
+              sim_tokens=0, sim_s=float("nan"), sim_in=0, sim_context=0,
+              dialogues_s=len(done) / (wall - compile_s),
+              turns_per_dialogue=float(np.mean([len(d.policy_replies) for d in done])), parse_failures=0)
+
+
 def rollout(kind: str, model, params, chat: ChatTokens, args, seed: int) -> dict:
   """One batch of dialogues; returns wall time, per-model seconds and token counts."""
+  if kind == "lockstep-half":
+    return waves(model, params, chat, args, seed)
   policy, sim = make_samplers(kind, model, chat, args)
   stops = kind.endswith("+stops")
   rows = max(args.dialogues // 2, 1) if kind == "continuous" else 0
@@ -188,28 +213,32 @@ def main():
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--variants", default="cached,re-prefill",
                   help="comma-separated: cached, re-prefill, cached+stops (on-device stop rules), "
-                  "continuous (cached on dialogues // 2 cache rows)")
+                  "continuous (cached on dialogues // 2 cache rows), lockstep-half (lockstep waves "
+                  "on as many rows; --user scripted-ends only)")
   ap.add_argument("--user", default="model", choices=("model", "scripted-ends"),
                   help="the simulated user: SmolLM2, or the scripted one ending dialogues at turns 1..")
   ap.add_argument("--batching", action="store_true",
-                  help="lockstep vs continuous batching: --variants cached,continuous --user scripted-ends")
+                  help="lockstep vs continuous batching: --variants cached,continuous,lockstep-half "
+                  "--user scripted-ends")
   ap.add_argument("--quick", action="store_true",
                   help="2 dialogues x 2 turns (max_turns as in :runlocal), no warm-up: fits a slow CPU")
   args = ap.parse_args()
   if args.quick:
     args.dialogues, args.turns, args.warmup = 2, 2, False
   if args.batching:
-    args.variants, args.user = "cached,continuous", "scripted-ends"
+    args.variants, args.user = "cached,continuous,lockstep-half", "scripted-ends"
 
   path = embedded_model_dir()
   chat = ChatTokens(load_tokenizer(path))
   model, _ = load_pretrained(path, dtype=jnp.float32)
   params = nnx.state(model)
   kinds = tuple(args.variants.split(","))
-  known = ("cached", "re-prefill", "cached+stops", "continuous")
+  known = ("cached", "re-prefill", "cached+stops", "continuous", "lockstep-half")
   bad = [k for k in kinds if k not in known]
   if bad:
     raise SystemExit(f"--variants: unknown variant {bad[0]!r} ({', '.join(known)})")
+  if "lockstep-half" in kinds and args.user != "scripted-ends":
+    raise SystemExit("--variants=lockstep-half needs --user scripted-ends")
   warm, runs = None, {k: [] for k in kinds}
   if args.warmup:  # compiles most programs (jit caches are shared by every Sampler of this model)
     COUNTER.reset()
@@ -256,6 +285,10 @@ def main():
     if "cached" in res and other in res:
       print()
       print(ratio_table(res["cached"], res[other], other))
+  if "continuous" in res and "lockstep-half" in res:  # the same rows, scheduled two ways
+    print()
+    print(ratio_table(res["lockstep-half"], res["continuous"], "continuous").replace(
+        "continuous / cached", "continuous / lockstep-half"))
   print()
   print(table(["variant", "compiles in timed run", "compile+trace s subtracted",
                "mean policy turns/dialogue", "longest simulator context (tokens)", "parse failures"],

@@ -8,11 +8,16 @@ the row's whole history (the cache rows are emptied first), as a cache-less impl
 Same seeds; after a warm-up rollout per variant (compiles), timed rollouts alternate. The
 `cached+stops` variant (`--variants`) is `cached` with the on-device stop rules on: the simulator's
 decodes end after their change / reply line (`simulator.stop_at_lines`) and the policy's at
-"<|im_start|>" (`policy.stop_sequences`).
+"<|im_start|>" (`policy.stop_sequences`). The `continuous` variant is `cached` with continuous
+batching on half as many cache rows as dialogues (`rollout.rows`): an ended dialogue's row goes to
+the next waiting one. `--user scripted-ends` swaps the model simulator for the scripted user, saying
+goodbye at turn 1 + d % turns in dialogue d, so the dialogues end at different turns (where
+continuous batching has rows to refill) and the policy is all the model time.
 
   python benchmarks/rollout_throughput.py [--dialogues 8] [--turns 4] [--policy-new 32] [--sim-new 48]
   python benchmarks/rollout_throughput.py --quick   # 2 dialogues x 2 turns
   python benchmarks/rollout_throughput.py --variants cached,cached+stops   # with/without stop rules
+  python benchmarks/rollout_throughput.py --batching   # cached,continuous with --user scripted-ends
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from _common import CompileCounter, command_line, machine_info, median, table
+from rlver_jax.env.backends import ScriptedBackend
 from rlver_jax.env.model_backend import ModelBackend
 from rlver_jax.env.profiles import load_demo_profiles
 from rlver_jax.env.rollout import RolloutConfig, RolloutStats, run_dialogues
@@ -59,9 +65,9 @@ class TimedSampler(Sampler):
     self.seconds += time.perf_counter() - t0 - (_overhead() - c0)
     return out
 
-  def append(self, params, cache, rows, prev_logits=None):
+  def append(self, params, cache, rows, prev_logits=None, **kwargs):
     self.appended += sum(len(r) for r in rows)
-    return self._timed(super().append, params, cache, rows, prev_logits)
+    return self._timed(super().append, params, cache, rows, prev_logits, **kwargs)
 
   def decode(self, *args, **kwargs):
     return self._timed(super().decode, *args, **kwargs)
@@ -76,7 +82,7 @@ class RePrefillSampler(TimedSampler):
 
   mirror: list[list[int]] = []
 
-  def append(self, params, cache, rows, prev_logits=None):
+  def append(self, params, cache, rows, prev_logits=None, **kwargs):
     lengths = np.asarray(jax.device_get(cache.lengths))
     if len(self.mirror) != len(rows):
       self.mirror = [[] for _ in rows]
@@ -84,13 +90,35 @@ class RePrefillSampler(TimedSampler):
     has_new = np.array([len(r) > 0 for r in rows])
     cache = cache.with_lengths(np.where(has_new, 0, lengths).astype(np.int32))
     full = [m if h else [] for m, h in zip(self.mirror, has_new)]
-    return super().append(params, cache, full, prev_logits)
+    return super().append(params, cache, full, prev_logits, **kwargs)
 
   def decode(self, *args, **kwargs):
     res = super().decode(*args, **kwargs)
     for b in range(len(self.mirror)):
       self.mirror[b] = self.mirror[b] + res.row(b)
     return res
+
+
+class EndingUser(ScriptedBackend):
+  """The scripted user, but dialogue d says goodbye in its reply of policy turn 1 + d % turns."""
+
+  def __init__(self, turns: int, first: int = 0):
+    """`first`: the id of row 0's dialogue (a wave of `lockstep-half` starts past 0)."""
+    super().__init__()
+    self.turns, self.first = turns, first
+    self.replies: list[int] = []
+
+  def reset(self, num_rows: int) -> None:
+    super().reset(num_rows)
+    self.replies = [0] * num_rows
+
+  def _one(self, r):
+    if r.kind != "reply":
+      return super()._one(r)
+    self.replies[r.row] += 1
+    if self.replies[r.row] == 1 + (self.first + r.row) % self.turns:
+      return "Plan: leave now.\nReply: Goodbye, and thank you."
+    return super()._one(r)
 
 
 def trainer_buckets() -> dict[str, tuple[int, ...]]:
@@ -112,29 +140,60 @@ def make_samplers(kind: str, model, chat: ChatTokens, args):
   return policy, sim
 
 
+def waves(model, params, chat: ChatTokens, args, seed: int) -> dict:
+  """`lockstep-half`: the same dialogues as `continuous` on as many rows, but in lockstep waves of
+  half the dialogues each (the scripted-ends user; what a lockstep rollout does on those rows)."""
+  policy, _ = make_samplers("cached", model, chat, args)
+  half = max(args.dialogues // 2, 1)
+  profiles = (load_demo_profiles() * args.dialogues)[: args.dialogues]
+  stats, done, t0, c0 = RolloutStats(), [], time.perf_counter(), _overhead()
+  for first in range(0, len(profiles), half):
+    part = profiles[first:first + half]
+    users = SimulatedUsers(part, EndingUser(args.turns, first), style="vanilla", start_emotion=30,
+                           max_turns=args.turns, max_parse_retries=1)
+    cfg = RolloutConfig(think=args.think, max_new_tokens=args.policy_new, temperature=1.0)
+    done += run_dialogues(part, list(range(len(part))), users, sampler=policy, params=params, chat=chat,
+                          cfg=cfg, rng=jax.random.fold_in(jax.random.key(seed), first), stats=stats)
+  wall, compile_s = time.perf_counter() - t0, _overhead() - c0
+  return dict(wall=wall - compile_s, compile_s=compile_s, turns=stats.policy_turns,
+              policy_tokens=stats.policy_tokens, policy_s=policy.seconds, policy_in=policy.appended,
+              sim_tokens=0, sim_s=float("nan"), sim_in=0, sim_context=0,
+              dialogues_s=len(done) / (wall - compile_s),
+              turns_per_dialogue=float(np.mean([len(d.policy_replies) for d in done])), parse_failures=0)
+
+
 def rollout(kind: str, model, params, chat: ChatTokens, args, seed: int) -> dict:
   """One batch of dialogues; returns wall time, per-model seconds and token counts."""
+  if kind == "lockstep-half":
+    return waves(model, params, chat, args, seed)
   policy, sim = make_samplers(kind, model, chat, args)
   stops = kind.endswith("+stops")
-  backend = ModelBackend(sim, params, chat, max_new_tokens=args.sim_new,
-                         sampling=SamplingParams.make(0.7, 0.9, 0), seed=seed + 1, stop_at_lines=stops)
+  rows = max(args.dialogues // 2, 1) if kind == "continuous" else 0
+  if args.user == "scripted-ends":
+    backend = EndingUser(args.turns)
+  else:
+    backend = ModelBackend(sim, params, chat, max_new_tokens=args.sim_new, rows=rows, seed=seed + 1,
+                           sampling=SamplingParams.make(0.7, 0.9, 0), stop_at_lines=stops)
   profiles = (load_demo_profiles() * args.dialogues)[: args.dialogues]
   users = SimulatedUsers(profiles, backend, style="vanilla", start_emotion=30, max_turns=args.turns,
                          max_parse_retries=1)
   cfg = RolloutConfig(think=args.think, max_new_tokens=args.policy_new, temperature=1.0,
-                      stop_sequences=("<|im_start|>",) if stops else ())
+                      stop_sequences=("<|im_start|>",) if stops else (), rows=rows)
   stats = RolloutStats()
   t0, c0 = time.perf_counter(), _overhead()
   dialogues = run_dialogues(profiles, list(range(len(profiles))), users, sampler=policy, params=params,
                             chat=chat, cfg=cfg, rng=jax.random.key(seed), stats=stats)
   wall = time.perf_counter() - t0
   compile_s = _overhead() - c0
-  if kind.startswith("re-prefill"):  # the mirror is exactly what the package's backend says is cached
-    assert all(sim.mirror[b] == backend.tokens[b] for b in range(len(profiles)))
+  if kind.startswith("re-prefill") and isinstance(backend, ModelBackend):  # the mirror is exactly
+    assert all(sim.mirror[b] == backend.tokens[b] for b in range(len(profiles)))  # what is cached
+  model_user = isinstance(backend, ModelBackend)
   return dict(wall=wall - compile_s, compile_s=compile_s, turns=stats.policy_turns, policy_tokens=stats.policy_tokens,
-              policy_s=policy.seconds, policy_in=policy.appended, sim_tokens=backend.generated_tokens,
-              sim_s=sim.seconds, sim_in=sim.appended,
-              sim_context=max(len(t) for t in backend.tokens),
+              policy_s=policy.seconds, policy_in=policy.appended,
+              sim_tokens=backend.generated_tokens if model_user else 0,
+              sim_s=sim.seconds if model_user else float("nan"), sim_in=sim.appended,
+              sim_context=max(len(t) for t in backend.tokens) if model_user else 0,
+              dialogues_s=len(dialogues) / (wall - compile_s),
               turns_per_dialogue=float(np.mean([len(d.policy_replies) for d in dialogues])),
               parse_failures=sum(r.parse_failures for r in users.records))
 
@@ -153,21 +212,33 @@ def main():
                   help="skip the untimed warm-up rollout (compile time is subtracted either way)")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--variants", default="cached,re-prefill",
-                  help="comma-separated: cached, re-prefill, cached+stops (on-device stop rules)")
+                  help="comma-separated: cached, re-prefill, cached+stops (on-device stop rules), "
+                  "continuous (cached on dialogues // 2 cache rows), lockstep-half (lockstep waves "
+                  "on as many rows; --user scripted-ends only)")
+  ap.add_argument("--user", default="model", choices=("model", "scripted-ends"),
+                  help="the simulated user: SmolLM2, or the scripted one ending dialogues at turns 1..")
+  ap.add_argument("--batching", action="store_true",
+                  help="lockstep vs continuous batching: --variants cached,continuous,lockstep-half "
+                  "--user scripted-ends")
   ap.add_argument("--quick", action="store_true",
                   help="2 dialogues x 2 turns (max_turns as in :runlocal), no warm-up: fits a slow CPU")
   args = ap.parse_args()
   if args.quick:
     args.dialogues, args.turns, args.warmup = 2, 2, False
+  if args.batching:
+    args.variants, args.user = "cached,continuous,lockstep-half", "scripted-ends"
 
   path = embedded_model_dir()
   chat = ChatTokens(load_tokenizer(path))
   model, _ = load_pretrained(path, dtype=jnp.float32)
   params = nnx.state(model)
   kinds = tuple(args.variants.split(","))
-  bad = [k for k in kinds if k not in ("cached", "re-prefill", "cached+stops")]
+  known = ("cached", "re-prefill", "cached+stops", "continuous", "lockstep-half")
+  bad = [k for k in kinds if k not in known]
   if bad:
-    raise SystemExit(f"--variants: unknown variant {bad[0]!r} (cached, re-prefill, cached+stops)")
+    raise SystemExit(f"--variants: unknown variant {bad[0]!r} ({', '.join(known)})")
+  if "lockstep-half" in kinds and args.user != "scripted-ends":
+    raise SystemExit("--variants=lockstep-half needs --user scripted-ends")
   warm, runs = None, {k: [] for k in kinds}
   if args.warmup:  # compiles most programs (jit caches are shared by every Sampler of this model)
     COUNTER.reset()
@@ -188,9 +259,11 @@ def main():
   print()
   print(f"Command: `{command_line()}`\n")
   print(machine_info() + "\n")
+  user = ("the scripted user, goodbye at turn 1 + d % max_turns in dialogue d" if
+          args.user == "scripted-ends" else f"simulator {args.sim_new} (T=0.7, top-p 0.9)")
   print(f"{args.dialogues} dialogues (demo profiles), max_turns={args.turns}, think={args.think}, policy "
-        f"{args.policy_new} new tokens/turn (T=1.0), simulator {args.sim_new} (T=0.7, top-p 0.9); fp32 "
-        f"SmolLM2-135M for both, caches {args.policy_context} / {args.sim_context} slots. "
+        f"{args.policy_new} new tokens/turn (T=1.0), {user}; fp32 SmolLM2-135M, caches "
+        f"{args.policy_context} / {args.sim_context} slots; continuous: {max(args.dialogues // 2, 1)} rows. "
         f"{args.reps} timed rollout(s) per variant (alternating, medians) after "
         f"{'one warm-up rollout' if args.warmup else 'no warm-up'}; every time is net of the XLA "
         f"compile + trace seconds measured during it (jax.monitoring).\n")
@@ -199,18 +272,23 @@ def main():
   for k in kinds:
     r = res[k]
     rows.append([k, f"{r['wall']:.1f}", r["turns"], f"{r['turns'] / r['wall']:.3f}",
+                 f"{r['dialogues_s']:.3f}",
                  f"{r['policy_tokens']} / {r['policy_s']:.1f}",
                  f"{r['policy_tokens'] / r['policy_s']:.1f}", f"{r['sim_tokens']} / {r['sim_s']:.1f}",
                  f"{r['sim_tokens'] / r['sim_s']:.1f}",
                  f"{(r['policy_tokens'] + r['sim_tokens']) / r['wall']:.1f}",
                  f"{r['policy_in']:,} / {r['sim_in']:,}"])
-  print(table(["variant", "wall s", "policy turns", "turns/s", "policy gen tok / its s",
+  print(table(["variant", "wall s", "policy turns", "turns/s", "dialogues/s", "policy gen tok / its s",
                "policy tok/s", "sim gen tok / its s", "sim tok/s", "all gen tok/s (wall)",
                "tokens prefilled policy / sim"], rows))
-  for other in ("re-prefill", "cached+stops"):
+  for other in ("re-prefill", "cached+stops", "continuous"):
     if "cached" in res and other in res:
       print()
       print(ratio_table(res["cached"], res[other], other))
+  if "continuous" in res and "lockstep-half" in res:  # the same rows, scheduled two ways
+    print()
+    print(ratio_table(res["lockstep-half"], res["continuous"], "continuous").replace(
+        "continuous / cached", "continuous / lockstep-half"))
   print()
   print(table(["variant", "compiles in timed run", "compile+trace s subtracted",
                "mean policy turns/dialogue", "longest simulator context (tokens)", "parse failures"],
@@ -223,15 +301,16 @@ def main():
 
 def ratio_table(c: dict, p: dict, other: str) -> str:
   """`cached` against another variant: > 1x means the other is slower."""
-  if other == "cached+stops":
-    c, p = p, c  # the stop rules' speed-up: stops / plain
-    head = "ratio cached+stops / cached"
+  if other in ("cached+stops", "continuous"):
+    c, p = p, c  # the stop rules' / continuous batching's speed-up: it / plain
+    head = f"ratio {other} / cached"
   else:
     head = "ratio cached / re-prefill"
   return table([head, "value"], [
       ["turns/s", f"{(c['turns'] / c['wall']) / (p['turns'] / p['wall']):.2f}x"],
       ["policy tok/s (its own time)", f"{(c['policy_tokens'] / c['policy_s']) / (p['policy_tokens'] / p['policy_s']):.2f}x"],
       ["simulator tok/s (its own time)", f"{(c['sim_tokens'] / c['sim_s']) / (p['sim_tokens'] / p['sim_s']):.2f}x"],
+      ["dialogues/s", f"{c['dialogues_s'] / p['dialogues_s']:.2f}x"],
       ["wall time", f"{p['wall'] / c['wall']:.2f}x"],
   ])
 

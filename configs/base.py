@@ -166,6 +166,14 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.rl.tis_cap = 0.0                 # older spelling: c > 0 = is_correction "token_tis", is_cap c
   c.rl.logits_chunk = 1024
 
+  c.rollout = ml_collections.ConfigDict()
+  # KV cache rows of the policy and of the co-located simulator. 0 = one per dialogue of the step,
+  # all in lockstep (each turn draws one key for the batch). R = at most R dialogues at once: an
+  # ended dialogue's row goes at once to the next waiting group (continuous batching) and each
+  # dialogue samples from its own key stream, so every R gives the same dialogues (greedy: those of
+  # 0 too). rl.group_size <= R <= the step's dialogues (a group starts together).
+  c.rollout.rows = 0
+
   c.optim = ml_collections.ConfigDict()
   c.optim.actor_lr = 1e-6
   c.optim.critic_lr = 5e-6

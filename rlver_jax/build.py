@@ -108,9 +108,10 @@ def policy_sampler(model, chat: ChatTokens, policy: PolicySpec, mesh) -> Sampler
                  append_buckets=policy.append_buckets, mesh=mesh)
 
 
-def simulator_backend(sim: SimulatorSpec, mesh, *, seed: int, share_prefix: bool = True):
+def simulator_backend(sim: SimulatorSpec, mesh, *, seed: int, share_prefix: bool = True,
+                      rows: int = 0):
   """The simulated user's text generator named by config.simulator.backend (its own frozen weights;
-  a model backend samples from `seed`)."""
+  a model backend samples from `seed`, on at most `rows` cache rows: config.rollout.rows)."""
   if sim.backend == "scripted":
     return sim_backends.ScriptedBackend()
   if sim.backend == "http":
@@ -130,4 +131,5 @@ def simulator_backend(sim: SimulatorSpec, mesh, *, seed: int, share_prefix: bool
                     append_buckets=sim.append_buckets, mesh=mesh)
   return ModelBackend(sampler, nnx.state(model), chat, max_new_tokens=sim.max_new_tokens,
                       sampling=SamplingParams.make(sim.temperature, sim.top_p, sim.top_k),
-                      seed=seed + 1, share_prefix=share_prefix, stop_at_lines=sim.stop_at_lines)
+                      seed=seed + 1, share_prefix=share_prefix, stop_at_lines=sim.stop_at_lines,
+                      rows=rows)

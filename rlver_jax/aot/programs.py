@@ -223,10 +223,16 @@ def packed_length(config: ml_collections.ConfigDict) -> int:
   return batch_layout(config).length
 
 
+def lent_rows(config: ml_collections.ConfigDict) -> int:
+  """Dialogues holding a cache row at once: `rollout.rows` (continuous batching), 0 = all of them."""
+  rows = config.rollout.rows if "rollout" in config else 0
+  return min(rows, num_dialogues(config)) if rows else num_dialogues(config)
+
+
 def rollout_rows(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> int:
-  """KV-cache rows of a training rollout: the dialogues, padded to the batch shards like
+  """KV-cache rows of a training rollout: `lent_rows`, padded to the batch shards like
   `Sampler.padded_rows`."""
-  return padded_batch(num_dialogues(config), mesh)
+  return padded_batch(lent_rows(config), mesh)
 
 
 def _sampler_role(config: ml_collections.ConfigDict, role: str, mesh: Mesh | None = None):

@@ -1,5 +1,6 @@
 """The program calls of one training step, in the keys the trainer logs (`train.call_metrics`):
-read from a recorded metrics.jsonl row, or laid out from stated lengths for a lockstep rollout.
+read from a recorded metrics.jsonl row, or laid out from stated lengths (lockstep, or continuous
+batching on `rollout.rows` rows: with every dialogue of the same length, rows free up a wave at a time).
 
 Keys (without the `calls/` prefix of metrics.jsonl): `policy/append/T64/W512` and
 `policy/prefill/T1024/W64` (calls of an append chunk of T tokens at window W), `policy/decode_steps/W512`
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Iterator
 
 import ml_collections
@@ -117,14 +119,25 @@ def _simulator_turns(config, lengths: StatedLengths, sim: _Cache) -> None:
       sim.decode(lengths.simulator_tokens, s.max_new_tokens)
 
 
+def waves(config: ml_collections.ConfigDict) -> int:
+  """How many times the stated-length rollout fills its rows: 1 in lockstep; with `rollout.rows` = R,
+  whole groups start together, so R // group_size groups run at once and the dialogues, all of one
+  length, end together and hand their rows to the next as many groups."""
+  groups_at_once = ap.lent_rows(config) // config.rl.group_size
+  return math.ceil(config.rl.profiles_per_step / groups_at_once)
+
+
 def stated_calls(config: ml_collections.ConfigDict, lengths: StatedLengths, mesh=None) -> Calls:
-  """The calls of a lockstep step in which every dialogue has `lengths` (one row stands for all)."""
+  """The calls of a step in which every dialogue has `lengths` (one row stands for all), each
+  sampler call repeated for every wave of dialogues (`waves`)."""
   calls: Calls = {}
   policy = _Cache("policy", config.policy.max_context, config.policy.append_buckets, calls)
   samples = _policy_turns(config, lengths, policy)
   if config.simulator.backend == "model":
     sim = _Cache("simulator", config.simulator.max_context, config.simulator.append_buckets, calls)
     _simulator_turns(config, lengths, sim)
+  repeat = waves(config)
+  calls = {key: n * repeat for key, n in calls.items()}
   spec = RunSpec.from_config(config)
   layout = BatchLayout.for_step(len(samples) * ap.num_dialogues(config), max(samples),
                                 ap.micro_batch_rows(config, mesh),

@@ -145,8 +145,8 @@ def _depths(layers: int) -> tuple[int, ...]:
 class CostModel:
   """Per-call costs of one config's programs on one mesh, compiled on demand and kept.
 
-  `rows` are the sampler programs' cache rows (default: every dialogue of a step, the lockstep
-  rollout); `compile_cost` is swappable so tests can count compiles.
+  `rows` are the sampler programs' cache rows (default: the rollout's, `programs.rollout_rows`:
+  every dialogue of a step, or `rollout.rows` of them); `compile_cost` is swappable so tests can count compiles.
   """
 
   def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh, *, layout: str = ap.TPU_CACHE_LAYOUT,

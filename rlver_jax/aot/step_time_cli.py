@@ -23,10 +23,12 @@ from rlver_jax.aot.chips import ChipSpec, chip_for_kind
 from rlver_jax.aot.report import _mesh
 from rlver_jax.aot.topology import AotError, get_topology
 from rlver_jax.sampling.kv_cache import default_layout
+from rlver_jax.spec import RunSpec
 
 _CALLS_FROM = flags.DEFINE_string("calls_from", None, "metrics.jsonl[:STEP] whose calls/* to cost "
                                   "(default: stated lengths).")
-_ROWS = flags.DEFINE_integer("rows", None, "Sampler cache rows (default: every dialogue of a step).")
+_ROWS = flags.DEFINE_integer("rows", None, "Dialogues holding cache rows at once (continuous batching; "
+                             "default: the config's rollout.rows; 0 = lockstep, every dialogue).")
 _FLOPS = flags.DEFINE_float("chip_flops", None, "Peak FLOP/s per device (default: the chip's nominal).")
 _BANDWIDTH = flags.DEFINE_float("chip_bandwidth", None, "Memory bytes/s per device (default: nominal).")
 _LENGTHS = {
@@ -46,6 +48,12 @@ _LENGTH_FLAGS = {k: flags.DEFINE_integer(k, None, f"{doc} (stated-lengths mode)"
 def stated_lengths(config: ml_collections.ConfigDict) -> step_calls.StatedLengths:
   return step_calls.StatedLengths(**{k: f.value if f.value is not None else _LENGTHS[k][1](config)
                                      for k, f in _LENGTH_FLAGS.items()})
+
+
+def layout_word(config: ml_collections.ConfigDict) -> str:
+  """How the rollout shares its cache rows: "lockstep" or "continuous, R rows"."""
+  rows = config.rollout.rows
+  return "lockstep" if not rows else f"continuous, {ap.lent_rows(config)} rows"
 
 
 def _devices(topology: str):
@@ -78,18 +86,25 @@ def run_estimate(config: ml_collections.ConfigDict, topology: str) -> str:
   """The step-time table for `config` on `topology` ("cpu": this machine's devices)."""
   if not run_plan.is_run_config(config):
     raise AotError("--estimate_time needs a training config (configs/grpo_think.py, ...)")
+  if _ROWS.value is not None:  # checked like the config value, on a copy
+    config = config.copy_and_resolve_references()
+    config.rollout.rows = _ROWS.value
+  try:
+    RunSpec.from_config(config)
+  except ValueError as e:
+    raise AotError(str(e)) from None
   devices = _devices(topology)
   mesh = _mesh(config, devices, None)
   layout = default_layout("cpu") if topology == "cpu" else ap.TPU_CACHE_LAYOUT
   chip = _chip(devices)
   try:
     calls, measured, source = _calls(config, mesh)
-    model = step_time.CostModel(config, mesh, layout=layout, rows=_ROWS.value,
+    model = step_time.CostModel(config, mesh, layout=layout,
                                 log=lambda line: print(line, file=sys.stderr, flush=True))
   except ValueError as e:
     raise AotError(str(e)) from None
   phases = step_time.estimate(model, calls, chip)
   mesh_shape = "x".join(str(mesh.shape[a]) for a in ("data", "fsdp", "tensor"))
   return step_time.format_estimate(phases, chip, measured, header=(
-      f"step time on {topology} (mesh {mesh_shape}, {model.rows} cache rows, lockstep), "
+      f"step time on {topology} (mesh {mesh_shape}, {model.rows} cache rows, {layout_word(config)}), "
       f"{source}; {model.compiles} programs compiled"))

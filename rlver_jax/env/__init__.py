@@ -10,8 +10,9 @@
   (`scripted_rules` are the scripted one's rules); `model_backend`: a co-located model, whose
   `expected_change` gives the mean change under its own distribution (`simulator.change_mode`).
 - `chat`: the policy's system prompts and the parsing of its output (think format, goodbyes).
-- `rollout`: `run_dialogues`, policy and user turns in lockstep, giving `Dialogue`s with their
-  training samples and rewards.
+- `rollout`: `run_dialogues`, policy and user turns in lockstep (or on at most `rows` cache rows),
+  giving `Dialogue`s with their training samples and rewards; `scheduler`: continuous batching
+  (rows lent to dialogues, whole groups admitted in order, per-dialogue key streams).
 
 May import: models (tokenizer), sampling, parallel. Not: rl, train, run, evaluation, aot, cli.
 """

@@ -17,14 +17,14 @@ import socket
 import threading
 import time
 import urllib.parse
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 import jax
 from absl import logging
 
 from rlver_jax.env import scripted_rules
 from rlver_jax.env.profiles import Profile, intention_key, personality_key
-from rlver_jax.parallel.sharding import broadcast_bytes
+from rlver_jax.parallel.process_zero import answers_from_process_zero
 
 Message = dict[str, str]
 # "retry" re-asks the emotion step, "reply_retry" the opening or reply step.
@@ -91,6 +91,9 @@ class SimulatorBackend(Protocol):
 
   def history(self, row: int) -> list[Message]:
     """A copy of one row's full message list."""
+
+  def release(self, row: int) -> None:
+    """The row's dialogue has ended: whatever it holds on a device may go to another dialogue."""
 
   def reseed(self, key: jax.Array) -> None:
     """Sets the sampling key (a sampling backend draws from it; the others ignore it)."""
@@ -168,6 +171,9 @@ class HistoryBackend:
 
   def is_full(self, row: int) -> bool:
     return False  # remote servers and the scripted rules have no context bound we track
+
+  def release(self, row: int) -> None:
+    del row  # a history costs no device memory: kept for the transcripts
 
   def reseed(self, key: jax.Array) -> None:
     del key  # deterministic or remotely sampled: no key of ours to set
@@ -270,7 +276,8 @@ class OpenAIChatBackend(HistoryBackend):
   def generate(self, requests: Sequence[SimRequest]) -> list[str | None]:
     self._extend(requests)
     bodies = [self._body(self._histories[r.row]) for r in requests]
-    answers = _on_process_zero(lambda: self._post_all(bodies))
+    answers = answers_from_process_zero(lambda: self._post_all(bodies),
+                                        SimulatorBackendError)
     for r, text in zip(requests, answers):
       if text is not None:  # a failed row's dialogue ends: its history is never sent again
         self._answer(r.row, text)
@@ -368,28 +375,6 @@ class OpenAIChatBackend(HistoryBackend):
   def _scrub(self, message: str) -> str:
     key = os.environ.get(self.settings.api_key_env, "")
     return message.replace(key, "***") if key else message
-
-
-def _on_process_zero(fetch: Callable[[], list]) -> list:
-  """Runs `fetch` on process 0 only and hands its answers (or its failure) to every process.
-
-  A sampled HTTP answer differs from call to call: if every host asked the server, hosts would
-  parse different texts, append different token ids and run diverging collective programs.
-  """
-  if jax.process_count() == 1:
-    return fetch()
-  payload: dict = {}
-  if jax.process_index() == 0:
-    try:
-      payload = {"answers": fetch()}
-    except SimulatorBackendError as e:
-      payload = {"error": str(e)}
-    except Exception as e:  # every host must raise, or the others would wait in the next collective
-      payload = {"error": f"{type(e).__name__}: {e}"}
-  payload = json.loads(broadcast_bytes(json.dumps(payload).encode("utf-8")).decode("utf-8"))
-  if "error" in payload:
-    raise SimulatorBackendError(payload["error"])
-  return payload["answers"]
 
 
 def _content(raw: bytes) -> str:

@@ -5,6 +5,12 @@ appends only the row's new messages (ChatML fragments) plus an assistant header,
 simulator's context is therefore append-only and never re-prefilled. `rewind` sets a row back to
 the end of one of its earlier messages (the reference information flow drops each step's private
 answers that way) and `prefill` appends messages without generating.
+
+`rows` (rollout.rows) bounds the cache rows: a dialogue takes a cache row ("slot") at its first use
+and holds it until `release`; every method addresses dialogues, `_slot` maps them to cache rows.
+Each dialogue then samples from its own key stream (`scheduler.dialogue_keys`), so its answers do
+not depend on its slot or on the other dialogues. Without it dialogue d is slot d and each decode
+draws from one key (the lockstep rollout).
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import numpy as np
 from rlver_jax.env.answer_stops import AnswerStops
 from rlver_jax.env.backends import HistoryBackend, SimRequest, SimulatorBackendError
 from rlver_jax.env.expected_change import ChangeScorer
+from rlver_jax.env.scheduler import RowSlots, dialogue_keys
 from rlver_jax.models.tokenizer import ChatTokens
 from rlver_jax.sampling.sampler import Sampler
 from rlver_jax.sampling.strategies import SamplingParams
@@ -31,10 +38,17 @@ class ModelBackend(HistoryBackend):
 
   def __init__(self, sampler: Sampler, params, chat: ChatTokens, *, max_new_tokens: int,
                sampling: SamplingParams, seed: int = 0, share_prefix: bool = True,
-               stop_at_lines: bool = False):
+               stop_at_lines: bool = False, rows: int = 0):
     """`share_prefix`: `clone_rows` copies KV rows (True) or prefills the copied tokens again.
-    `stop_at_lines`: each answer's decode ends with its change / reply line (`answer_stops`)."""
+    `stop_at_lines`: each answer's decode ends with its change / reply line (`answer_stops`).
+    `rows`: at most this many cache rows, lent to dialogues while they run (0: one per dialogue)."""
     super().__init__()
+    if rows < 0:
+      raise ValueError(f"rollout.rows={rows}: must be >= 0 (0 = a cache row per dialogue)")
+    self.rows = rows
+    self.slots: RowSlots | None = None
+    self.calls: list[int] = []  # per dialogue: generations so far (its key stream's position)
+    self._base = None  # with lent rows: this batch's base key of the dialogue streams
     self.stops = AnswerStops(chat, sampler.config.vocab_size) if stop_at_lines else None
     self.share_prefix = share_prefix
     self.prefill_tokens = 0  # tokens run through the model as input (not sampled), all calls
@@ -58,7 +72,12 @@ class ModelBackend(HistoryBackend):
 
   def reset(self, num_rows: int) -> None:
     super().reset(num_rows)
-    rows = self.sampler.padded_rows(num_rows)  # inactive rows up to a fully sharded batch
+    lent = min(self.rows, num_rows) if self.rows else num_rows
+    self.slots = RowSlots(lent) if self.rows and num_rows else None
+    self.calls = [0] * num_rows
+    if self.slots is not None:  # this batch's streams, new even without a reseed
+      self.rng, self._base = jax.random.split(self.rng)
+    rows = self.sampler.padded_rows(lent)  # inactive rows up to a fully sharded batch
     if self.cache is None or self.cache.batch_size != rows:
       self.cache = None  # freed before the new one is allocated: at 72B each is tens of GiB a chip
       self.cache = self.sampler.init_cache(rows)
@@ -74,17 +93,34 @@ class ModelBackend(HistoryBackend):
   def is_full(self, row: int) -> bool:
     return self.full[row]
 
+  def release(self, row: int) -> None:
+    if self.slots is not None and row in self.slots.row_of:
+      self.slots.release(row)
+
+  def _slot(self, row: int) -> int:
+    """The cache row of dialogue `row` (lent at its first use)."""
+    if self.slots is None:
+      return row
+    held = self.slots.row_of.get(row)
+    if held is None:  # a lent row starts empty, whatever the dialogue before it left there
+      held = self.slots.take(row)
+      lengths = host_array(self.cache.lengths).copy()
+      lengths[held] = 0
+      self.cache = self.cache.with_lengths(lengths)
+    return held
+
   def clone_rows(self, sources: dict[int, int]) -> None:
     """Copies the rows' contexts and KV cache rows: the copies' shared prefix is computed once."""
     super().clone_rows(sources)
+    slots = {self._slot(dst): self._slot(src) for dst, src in sources.items()}
     if self.share_prefix:
-      self.cache, self.logits = self.sampler.copy_rows(self.cache, self.logits, sources)
+      self.cache, self.logits = self.sampler.copy_rows(self.cache, self.logits, slots)
     else:  # the same tokens, computed again for each copy
       rows = [[] for _ in range(self.cache.batch_size)]
       lengths = host_array(self.cache.lengths).copy()
       for dst, src in sources.items():
-        rows[dst], lengths[dst] = self.tokens[src], 0
-        self.prefill_tokens += len(rows[dst])
+        rows[self._slot(dst)], lengths[self._slot(dst)] = self.tokens[src], 0
+        self.prefill_tokens += len(self.tokens[src])
       self.cache = self.cache.with_lengths(lengths)
       self.cache, self.logits = self.sampler.append(self.params, self.cache, rows, self.logits)
     for dst, src in sources.items():
@@ -92,6 +128,7 @@ class ModelBackend(HistoryBackend):
       self.closed[dst], self.full[dst] = self.closed[src], self.full[src]
       self.answered[dst], self.ends[dst] = self.answered[src], dict(self.ends[src])
       self.answers[dst] = self.answers[src]
+      self.calls[dst] = self.calls[src]
 
   def reseed(self, key: jax.Array) -> None:
     """Sets the sampling key; the trainer derives it from the run's state so a resume repeats it."""
@@ -130,7 +167,7 @@ class ModelBackend(HistoryBackend):
       if not self._fits(row, ids):
         self.full[row] = True
         continue
-      rows[row] = ids
+      rows[self._slot(row)] = ids
       self._take(row, ids, ends)
       self.answered[row] = False
     if any(rows):
@@ -146,8 +183,8 @@ class ModelBackend(HistoryBackend):
     super().rewind(keep)
     lengths = host_array(self.cache.lengths).copy()
     for row, n in keep.items():
-      lengths[row] = self.ends[row][n]
-      del self.tokens[row][lengths[row]:]
+      lengths[self._slot(row)] = self.ends[row][n]
+      del self.tokens[row][self.ends[row][n]:]
       self.ends[row] = {m: at for m, at in self.ends[row].items() if m <= n}
       self.answered[row], self.closed[row] = False, True
     self.cache = self.cache.with_lengths(lengths)
@@ -169,16 +206,15 @@ class ModelBackend(HistoryBackend):
               f"{self.max_new_tokens} exceeds simulator.max_context={self.sampler.max_len}")
         self.full[r.row] = True
         continue
-      rows[r.row] = ids
+      rows[self._slot(r.row)] = ids
       self._take(r.row, ids, ends)
-      active[r.row] = True
+      active[self._slot(r.row)] = True
     res = None
     if active.any():
       self.cache, self.logits = self.sampler.append(self.params, self.cache, rows, self.logits)
-      self.rng, key = jax.random.split(self.rng)
       rules = None if self.stops is None else self.stops.rules(
-          {r.row: r.kind for r in requests if active[r.row]}, B)
-      res = self.sampler.decode(self.params, self.cache, self.logits, rng=key,
+          {self._slot(r.row): r.kind for r in requests if not self.full[r.row]}, B)
+      res = self.sampler.decode(self.params, self.cache, self.logits, rng=self._keys(requests),
                                 max_new_tokens=self.max_new_tokens, sampling=self.sampling,
                                 active=active, stop_rules=rules)
       self.cache = res.cache
@@ -188,7 +224,7 @@ class ModelBackend(HistoryBackend):
         self._answer(r.row, "")
         out.append("")
         continue
-      ids = res.row(r.row)
+      ids = res.row(self._slot(r.row))
       self.answers[r.row] = (len(self.tokens[r.row]), len(self.tokens[r.row]) + len(ids))
       self.tokens[r.row] += ids
       # Only <|im_end|> closes a turn; one cut short, ended by a stop rule or by <|endoftext|> gets
@@ -204,8 +240,22 @@ class ModelBackend(HistoryBackend):
   def expected_changes(self, value_offsets: dict[int, int]) -> dict[int, float]:
     """Per row, the expected change at `value_offsets[row]`, a character offset into the text of
     the row's last answer (see expected_change); the cache is left as it is."""
-    answers = {}
+    answers, dialogue = {}, {}
     for row, offset in value_offsets.items():
       start, end = self.answers[row]
-      answers[row] = (self.tokens[row][:end], start, offset)
-    return self._changes.expected(self.sampler, self.params, self.cache, answers)
+      slot = self._slot(row)
+      answers[slot], dialogue[slot] = (self.tokens[row][:end], start, offset), row
+    scores = self._changes.expected(self.sampler, self.params, self.cache, answers)
+    return {dialogue[slot]: change for slot, change in scores.items()}
+
+  def _keys(self, requests: Sequence[SimRequest]) -> jax.Array:
+    """One key for the call, or with lent rows each slot's own: a dialogue's n-th generation draws
+    from the batch's base key folded with its id and n, wherever and with whomever it runs."""
+    if self.slots is None:
+      self.rng, key = jax.random.split(self.rng)
+      return key
+    holders = self.slots.holders(self.cache.batch_size)
+    counts = [0 if d is None else self.calls[d] for d in holders]
+    for r in requests:
+      self.calls[r.row] += 1
+    return dialogue_keys(self._base, holders, counts)

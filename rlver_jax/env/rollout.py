@@ -1,8 +1,10 @@
-"""The batched dialogue runner: policy turns and simulated-user turns in lockstep for all dialogues.
+"""The batched dialogue runner: policy turns and simulated-user turns for batches of dialogues.
 
 Token-in, token-out: the policy's context is concatenated from ChatML token fragments and the tokens
 it sampled, exactly as they sit in its KV cache; nothing is re-tokenised from decoded text. A
-dialogue keeps its row for its whole life (rows are dialogue ids, never positions among live rows).
+dialogue keeps its cache row for its whole life (addressed by dialogue id, never by position among
+live rows). All dialogues run in lockstep, or with `rows` set, at most that many at once: an ended
+dialogue's row goes at once to the next waiting group (continuous batching; `scheduler`).
 
 Think mode with dropped thoughts rewinds a row's cache to where the turn began and appends only the
 visible reply, so later turns see the reply without the thought; each policy turn is then its own
@@ -20,6 +22,7 @@ import numpy as np
 from rlver_jax.env.answer_stops import sequence_stops
 from rlver_jax.env.chat import SYSTEM_PROMPTS, parse_policy_output, policy_system_prompt
 from rlver_jax.env.profiles import Profile
+from rlver_jax.env.scheduler import AdmissionQueue, RowSlots, dialogue_keys
 from rlver_jax.env.simulator import SimulatedUsers
 from rlver_jax.env.user_state import SIMULATOR_ERROR, TurnResult, UserState
 from rlver_jax.models.tokenizer import ChatTokens
@@ -44,8 +47,11 @@ class RolloutConfig:
   system_prompt: str = "training"  # or "chat_partner" (chat.SYSTEM_PROMPTS)
   share_prefix: bool = True      # rows of a group with the same opening prompt prefill it once
   stop_sequences: tuple[str, ...] = ()  # strings that end a policy turn on device (answer_stops)
+  rows: int = 0                  # cache rows lent to dialogues (0: all at once, one key per turn)
 
   def __post_init__(self):
+    if self.rows < 0:
+      raise ValueError(f"rollout.rows={self.rows}: must be >= 0 (0 = a row per dialogue)")
     if self.reward_mode not in REWARD_MODES:
       raise ValueError(f"unknown reward_mode {self.reward_mode!r}; expected one of {REWARD_MODES}")
     if self.system_prompt not in SYSTEM_PROMPTS:
@@ -156,22 +162,23 @@ def run_dialogues(profiles: Sequence[Profile], group_ids: Sequence[int], users: 
                   sampler: Sampler, params, chat: ChatTokens, cfg: RolloutConfig,
                   rng: jax.Array, stats: RolloutStats | None = None,
                   should_stop: Callable[[], bool] | None = None) -> list[Dialogue]:
-  """Runs every dialogue to its end; returns one Dialogue per profile, in row order.
+  """Runs every dialogue to its end; returns one Dialogue per profile, in dialogue-id order.
 
-  `should_stop` is polled before each turn (on every host alike: it may be a collective); when it
-  returns True, RolloutInterrupted is raised.
+  With `cfg.rows` set, at most that many dialogues hold a cache row at once; an ended one's row goes
+  to the next waiting group (see `scheduler`). `should_stop` is polled before each turn (on every
+  host alike: it may be a collective); when it returns True, RolloutInterrupted is raised.
   """
   rollout = _Rollout(users, sampler, params, chat, cfg,
-                     stats if stats is not None else RolloutStats())
-  rollout.open(profiles, group_ids)
-  while not users.done:
+                     stats if stats is not None else RolloutStats(), profiles, group_ids, rng)
+  rollout.admit()
+  while rollout.live():
     if should_stop is not None and should_stop():
       raise RolloutInterrupted()
-    live = users.live_rows()
-    rng, key = jax.random.split(rng)
-    turn = rollout.policy_turn(live, key)
+    live = rollout.live()
+    turn = rollout.policy_turn(live)
     rollout.user_turn(users.step(live, turn.replies), turn)
     rollout.advance(turn)
+    rollout.admit()
   return [_finish(b, rollout.rows[b], profiles[b], group_ids[b], users.records[b], cfg)
           for b in range(len(profiles))]
 
@@ -180,31 +187,76 @@ class _Rollout:
   """The policy's half of a batched rollout: its rows, its KV cache and the phases of a turn.
 
   The simulated users (`users`) own the dialogue state (emotions, rewards, endings); this side
-  only reads it, and ends a dialogue through `users.end` when the policy's context is full.
+  only reads it, and ends a dialogue through `users.end` when the policy's context is full. Cache
+  rows are lent to dialogues (`slots`): with `cfg.rows` = 0 all dialogues start at once, dialogue b
+  in row b, and each turn samples from one key split off `rng`; else each dialogue samples from its
+  own stream (`scheduler.dialogue_keys`, folded with its policy turn).
   """
 
   def __init__(self, users: SimulatedUsers, sampler: Sampler, params, chat: ChatTokens,
-               cfg: RolloutConfig, stats: RolloutStats):
+               cfg: RolloutConfig, stats: RolloutStats, profiles: Sequence[Profile],
+               group_ids: Sequence[int], rng: jax.Array):
     self.users, self.sampler, self.params, self.chat = users, sampler, params, chat
-    self.cfg, self.stats = cfg, stats
+    self.cfg, self.stats, self.rng = cfg, stats, rng
+    self.profiles, self.group_ids = list(profiles), list(group_ids)
     self.sampling = SamplingParams.make(cfg.temperature, cfg.top_p, cfg.top_k)
-    self.rows: list[_Row] = []
-    self.cache = self.logits = None
+    self.rows: list[_Row | None] = [None] * len(self.profiles)
+    lent = min(cfg.rows, len(self.profiles)) if cfg.rows else len(self.profiles)
+    self.slots = RowSlots(max(lent, 1))
+    self.queue = AdmissionQueue(self.group_ids, self.slots.rows)
+    # Cache rows: the lent rows, then inactive ones up to a sharded batch.
+    self.cache = self.sampler.init_cache(self.sampler.padded_rows(self.slots.rows))
+    self.logits = None
 
-  def open(self, profiles: Sequence[Profile], group_ids: Sequence[int]) -> None:
-    """The users' openings, then each row's opening prompt prefilled (a group's rows with the same
-    prompt once, their KV rows copied)."""
-    openings = self.users.opening()
-    self.rows = [self._opening_row(b, p, line) for b, (p, line) in enumerate(zip(profiles, openings))]
-    B = len(self.rows)
-    C = self.sampler.padded_rows(B)  # cache rows: B dialogues, then inactive rows up to a sharded batch
+  def live(self) -> list[int]:
+    """The dialogues holding a row and still running, ascending."""
+    return sorted(d for d in self.slots.row_of if not self.users.records[d].done)
+
+  def admit(self) -> None:
+    """Rows of ended dialogues go back; waiting groups start in the free rows (an opening that
+    ends its dialogue at once frees its row again)."""
+    while True:
+      for d in [d for d in self.slots.row_of if self.users.records[d].done]:
+        self.slots.release(d)
+        self.users.release(d)
+      new = self.queue.next_dialogues(self.slots.free)
+      if not new:
+        return
+      self._start(new)
+
+  def _start(self, dialogues: list[int]) -> None:
+    """The users' openings, then each new row's opening prompt prefilled into its row while the
+    others keep theirs (a group's rows with the same prompt once, their KV rows copied)."""
+    for d, line in zip(dialogues, self.users.opening(dialogues)):
+      self.rows[d] = self._opening_row(d, self.profiles[d], line)
+      self.slots.take(d)
+    slot = self.slots.row_of
     first: dict = {}
-    copies = {b: first.setdefault((group_ids[b], tuple(r.ctx)), b) for b, r in enumerate(self.rows)}
-    copies = {b: a for b, a in copies.items() if a != b and self.cfg.share_prefix}
-    prompts = [[] if b in copies else r.ctx for b, r in enumerate(self.rows)] + [[]] * (C - B)
+    copies = {slot[d]: slot[first.setdefault((self.group_ids[d], tuple(self.rows[d].ctx)), d)]
+              for d in dialogues}
+    copies = {dst: src for dst, src in copies.items() if dst != src and self.cfg.share_prefix}
+    prompts = [[] for _ in range(self.cache.batch_size)]
+    for d in dialogues:
+      if slot[d] not in copies:
+        prompts[slot[d]] = self.rows[d].ctx
     self.stats.policy_prefill_tokens += sum(len(p) for p in prompts)
-    cache, logits = self.sampler.prefill(self.params, self.sampler.init_cache(C), prompts)
+    if self.logits is None:  # the first start: every row is new (today's one prefill)
+      cache, logits = self.sampler.prefill(self.params, self.cache, prompts)
+    else:  # the new rows from 0, the others untouched
+      lengths = host_array(self.cache.lengths).copy()
+      lengths[[slot[d] for d in dialogues]] = 0
+      cache, logits = self.sampler.append(self.params, self.cache.with_lengths(lengths), prompts,
+                                          self.logits)
     self.cache, self.logits = self.sampler.copy_rows(cache, logits, copies)
+
+  def _turn_key(self) -> jax.Array:
+    """Lockstep: one key per turn; lent rows: each row's dialogue's stream at its policy turn."""
+    if not self.cfg.rows:
+      self.rng, key = jax.random.split(self.rng)
+      return key
+    holders = self.slots.holders(self.cache.batch_size)
+    return dialogue_keys(self.rng, holders, [0 if d is None else len(self.rows[d].raw)
+                                             for d in holders])
 
   def _opening_row(self, b: int, profile: Profile, opening: str) -> _Row:
     lang = self.cfg.language or profile.language
@@ -219,25 +271,29 @@ class _Rollout:
                        f"{self.sampler.max_len} (needs at least {len(ctx) + 2})")
     return _Row(ctx=ctx, mask=[0] * len(ctx), logp=[0.0] * len(ctx))
 
-  def policy_turn(self, live: list[int], key: jax.Array) -> _Turn:
-    """Decodes one reply for every live row and records it."""
+  def policy_turn(self, live: list[int]) -> _Turn:
+    """Decodes one reply for every live dialogue and records it."""
     C = self.cache.batch_size
+    slot = self.slots.row_of
     active = np.zeros(C, bool)
-    active[live] = True
+    active[[slot[d] for d in live]] = True
     # One slot stays free so a reply cut by the cache can still be closed with <|im_end|>.
     stops = sequence_stops(self.chat, self.cfg.stop_sequences, C, self.sampler.config.vocab_size)
-    res = self.sampler.decode(self.params, self.cache, self.logits, rng=key,
+    res = self.sampler.decode(self.params, self.cache, self.logits, rng=self._turn_key(),
                               max_new_tokens=self.cfg.max_new_tokens, sampling=self.sampling,
                               active=active, reserve=1, stop_rules=stops)
     self.cache = res.cache
     turn = _Turn(lengths=host_array(self.cache.lengths).copy(), appends=[[] for _ in range(C)])
-    for b in live:
-      gen = res.row(b)
-      turn.replies.append(self._record_reply(b, gen, res.sample_logp[b, : len(gen)].tolist(), turn))
+    for d in live:
+      gen = res.row(slot[d])
+      logp = res.sample_logp[slot[d], : len(gen)].tolist()
+      turn.replies.append(self._record_reply(d, slot[d], gen, logp, turn))
     return turn
 
-  def _record_reply(self, b: int, gen: list[int], gen_logp: list[float], turn: _Turn) -> str:
-    """Adds row `b`'s sampled tokens to its context or samples; returns its visible reply."""
+  def _record_reply(self, b: int, s: int, gen: list[int], gen_logp: list[float],
+                    turn: _Turn) -> str:
+    """Adds dialogue `b`'s sampled tokens (cache row `s`) to its context or samples; returns its
+    visible reply."""
     self.stats.policy_tokens += len(gen)
     self.stats.policy_turns += 1
     row, chat = self.rows[b], self.chat
@@ -250,9 +306,9 @@ class _Rollout:
       start = len(row.ctx)
       row.samples.append(Sample(b, row.ctx + gen, [0] * start + [1] * len(gen),
                                 [0.0] * start + gen_logp, [start + len(gen) - 1]))
-      turn.lengths[b] = start  # rewind: the thought leaves the cache, only the visible reply goes back
+      turn.lengths[s] = start  # rewind: the thought leaves the cache, only the visible reply goes in
       shown = chat.encode(parsed.reply) + [chat.im_end]
-      turn.appends[b] += shown
+      turn.appends[s] += shown
       row.extend(shown)
     else:
       row.extend(gen, 1, gen_logp)
@@ -260,7 +316,7 @@ class _Rollout:
       # Cut by the budget, or stopped by another stop id (<|endoftext|>): close the turn as the
       # template does (not sampled, so mask 0).
       if gen[-1:] != [chat.im_end]:
-        turn.appends[b].append(chat.im_end)
+        turn.appends[s].append(chat.im_end)
         row.extend([chat.im_end])
     return parsed.reply
 
@@ -270,19 +326,20 @@ class _Rollout:
     for r in results:
       if r.done:
         continue
+      s = self.slots.row_of[r.row]
       user = chat.encode("\n") + chat.message("user", r.user_reply or "") + chat.generation_header()
       # Room must remain for at least one sampled token and the closing <|im_end|>.
-      if turn.lengths[r.row] + len(turn.appends[r.row]) + len(user) + 2 > self.sampler.max_len:
+      if turn.lengths[s] + len(turn.appends[s]) + len(user) + 2 > self.sampler.max_len:
         self.users.end(r.row, "context_full")
         continue
-      turn.appends[r.row] += user
+      turn.appends[s] += user
       self.rows[r.row].extend(user)
 
   def advance(self, turn: _Turn) -> None:
     """Appends the queued tokens to the cache (from the rewound lengths) for the next decode."""
-    for b, rec in enumerate(self.users.records):  # a finished row never samples again
-      if rec.done:
-        turn.appends[b] = []
+    for d, s in self.slots.row_of.items():  # a finished dialogue never samples again
+      if self.users.records[d].done:
+        turn.appends[s] = []
     self.cache = self.cache.with_lengths(turn.lengths)
     self.stats.policy_prefill_tokens += sum(len(a) for a in turn.appends)
     self.cache, self.logits = self.sampler.append(self.params, self.cache, turn.appends, self.logits)

@@ -49,7 +49,8 @@ def _shown(emotion: int | float) -> int | float:
 class SimulatedUsers:
   """A batch of simulated users, one per profile, driven turn by turn against a backend.
 
-  Call `opening()` once, then `step(rows, policy_replies)` with any subset of the live rows. A
+  Call `opening()` once (or `opening(rows)` once per row, whole groups at a time, as rollout rows
+  free up), then `step(rows, policy_replies)` with any subset of the live rows. A
   dialogue that ends by emotion (e >= 100 or e < end_below) still gets its final user line (state S
   or F means: say goodbye); one that ends by `max_turns` does not, since nobody would read it.
 
@@ -112,7 +113,7 @@ class SimulatedUsers:
     ]
     self._leader = self._group_leaders(groups)
     self._kept = [flows.OPENING_KEPT] * len(self.records)  # per row: messages its transcript keeps
-    self._opened = False
+    self._opened: set[int] = set()
     backend.reset(len(self.records))
 
   def _group_leaders(self, groups: Sequence[int] | None) -> list[int]:
@@ -152,13 +153,26 @@ class SimulatedUsers:
       raise ValueError(f"dialogue {row} already ended ({self.records[row].termination})")
     self.records[row].termination = termination
 
-  def opening(self) -> list[str]:
-    """The users' first utterances for all rows (preset `first_talk`, else generated)."""
-    if self._opened:
-      raise RuntimeError("opening() was already called")
-    self._opened = True
+  def release(self, row: int) -> None:
+    """An ended dialogue gives up its backend row (a model backend's cache row is lent anew)."""
+    if not self.records[row].done:
+      raise ValueError(f"dialogue {row} is still running; only an ended one releases its row")
+    self.backend.release(row)
+
+  def opening(self, rows: Sequence[int] | None = None) -> list[str]:
+    """The users' first utterances for `rows` (default all; preset `first_talk`, else generated).
+    A group's rows start together: its members copy the leader's opening."""
+    rows = list(range(len(self.records))) if rows is None else [operator.index(r) for r in rows]
+    started = self._opened.intersection(rows)
+    if started:
+      raise RuntimeError(f"opening() was already called for dialogue {min(started)}")
+    missing = [r for r in rows if self._leader[r] not in rows]
+    if missing:
+      raise ValueError(f"dialogue {missing[0]} starts without its group's first dialogue "
+                       f"{self._leader[missing[0]]}: a group's dialogues start together")
+    self._opened.update(rows)
     to_generate = []
-    for rec in self.records:
+    for rec in (self.records[r] for r in rows):
       rec.messages.append({"role": "system",
                            "content": prompts.system_prompt(rec.profile, self.style, rec.language)})
       rec.messages.append({"role": "user", "content": prompts.opening_instruction(
@@ -176,7 +190,7 @@ class SimulatedUsers:
       # A context already full gets the silent line here; its first step ends it (context_full).
       rec.replies.append(lines.get(rec.row) or self._silent(rec))
     self._forget(to_generate, keep_line=True)
-    copies = {row: lead for row, lead in enumerate(self._leader) if lead != row}
+    copies = {row: self._leader[row] for row in rows if self._leader[row] != row}
     self._send_unsent(sorted(set(copies.values())))
     if copies:
       self.backend.clone_rows(copies)
@@ -188,7 +202,7 @@ class SimulatedUsers:
         rec.sent, rec.replies, rec.silent_replies = lead.sent, list(lead.replies), lead.silent_replies
         rec.termination = lead.termination
         self._kept[dst] = self._kept[src]
-    return [rec.replies[0] for rec in self.records]
+    return [self.records[r].replies[0] for r in rows]
 
   def _send_unsent(self, rows: Sequence[int]) -> None:
     """Gives the backend the rows' messages it has not had yet, without generating."""
@@ -361,8 +375,6 @@ class SimulatedUsers:
     return out
 
   def _check_rows(self, rows: Sequence[int], policy_replies: Sequence[str]) -> list[UserState]:
-    if not self._opened:
-      raise RuntimeError("call opening() before step()")
     try:  # numpy integers are fine; floats and strings are not
       rows = [operator.index(r) for r in rows]
     except TypeError:
@@ -377,6 +389,8 @@ class SimulatedUsers:
         raise IndexError(f"row {row!r} is not a dialogue id in [0, {len(self.records)})")
       if self.records[row].done:
         raise ValueError(f"dialogue {row} already ended ({self.records[row].termination})")
+      if row not in self._opened:
+        raise RuntimeError(f"dialogue {row} has not started: call opening() for it before step()")
     return [self.records[row] for row in rows]
 
   @staticmethod

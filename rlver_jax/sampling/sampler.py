@@ -116,6 +116,13 @@ def _copy_rows_fn(cache: KVCache, logits_BxV, source_B):
   return cache.take_rows(source_B), logits_BxV[source_B]
 
 
+def _step_key(rng: jax.Array, step: jax.Array) -> jax.Array:
+  """The key of one decode step: from the call's key, or from each row's own ([B] keys)."""
+  if rng.ndim:
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(rng, step)
+  return jax.random.fold_in(rng, step)
+
+
 def _decode_fn(graphdef, params, cache: KVCache, logits_BxV, active_B, budget_B, stop_ids, rng,
                sampling: SamplingParams, rules: StopTables | None = None, *, window, max_new,
                pad_id) -> DecodeState:
@@ -125,7 +132,7 @@ def _decode_fn(graphdef, params, cache: KVCache, logits_BxV, active_B, budget_B,
     return (s.step < max_new) & ~jnp.all(s.done)
 
   def body(s: DecodeState) -> DecodeState:
-    tok, slp, mlp = sample(s.logits, jax.random.fold_in(rng, s.step), sampling)
+    tok, slp, mlp = sample(s.logits, _step_key(rng, s.step), sampling)
     live = ~s.done
     tok = jnp.where(live, tok, pad_id)
     col = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x[:, None].astype(buf.dtype),
@@ -293,6 +300,9 @@ class Sampler:
              budget: Sequence[int] | None = None, reserve: int = 0,
              stop_rules: StopRules | None = None) -> DecodeResult:
     """Samples up to max_new_tokens per active row, stopping each row at a stop id or its budget.
+
+    `rng` is one key for the call, or [B] keys, one per row: each row's tokens then follow from its
+    own key alone (the rollout's per-dialogue streams), whatever the other rows are.
 
     `reserve` slots stay free after every row's reply (e.g. 1 to close a reply cut short with
     <|im_end|>); the cache's end bounds the budget either way. `stop_rules` (`stop_rules.StopRules`)

@@ -200,6 +200,14 @@ def _grid_rows(V: int) -> int:
 
 
 def categorical(key: jax.Array, logits_BxV: jax.Array) -> jax.Array:
+  """One token per row drawn from softmax(logits); `key` is one key for the batch or one per row
+  ([B] keys: a row's draw then depends on its own key alone, not on its position or the batch)."""
+  if key.ndim:
+    return jax.vmap(lambda k, row: _categorical(k, row[None])[0])(key, logits_BxV)
+  return _categorical(key, logits_BxV)
+
+
+def _categorical(key: jax.Array, logits_BxV: jax.Array) -> jax.Array:
   """One token per row drawn from softmax(logits), exactly, from ~2 sqrt(V) random numbers per row.
 
   Token t sits at (t // C, t % C) of an [R, C] view. First a column c is drawn by the columns' total

@@ -17,7 +17,9 @@ parallel); never build, train, evaluation or run.
 """
 from rlver_jax.spec.run import EvaluationSpec, RunSpec
 from rlver_jax.spec.sections import (CheckpointSpec, ConfigError, CriticSpec, DataSpec, EvalSpec,
-                                     LogSpec, OptimSpec, PolicySpec, RLSpec, SimulatorSpec, require)
+                                     LogSpec, OptimSpec, PolicySpec, RLSpec, RolloutSpec,
+                                     SimulatorSpec, require)
 
 __all__ = ["CheckpointSpec", "ConfigError", "CriticSpec", "DataSpec", "EvalSpec", "EvaluationSpec",
-           "LogSpec", "OptimSpec", "PolicySpec", "RLSpec", "RunSpec", "SimulatorSpec", "require"]
+           "LogSpec", "OptimSpec", "PolicySpec", "RLSpec", "RolloutSpec", "RunSpec",
+           "SimulatorSpec", "require"]

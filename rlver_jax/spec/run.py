@@ -12,7 +12,8 @@ from rlver_jax.parallel.sharding import MeshConfig
 from rlver_jax.rl.algorithms import ALGORITHMS, Algorithm, algorithm_named
 from rlver_jax.rl.update import LossConfig
 from rlver_jax.spec.sections import (CheckpointSpec, ConfigError, CriticSpec, DataSpec, EvalSpec,
-                                     LogSpec, OptimSpec, PolicySpec, RLSpec, SimulatorSpec, require)
+                                     LogSpec, OptimSpec, PolicySpec, RLSpec, RolloutSpec,
+                                     SimulatorSpec, require)
 
 
 # -- ConfigDict -> sections ------------------------------------------------------------------------
@@ -51,7 +52,8 @@ def _top_level(cls, tree: dict, strict: bool) -> dict:
   return out
 
 
-def _rollout_config(policy: PolicySpec, rl: RLSpec, prompt: str, *, eval_mode: bool) -> RolloutConfig:
+def _rollout_config(policy: PolicySpec, rl: RLSpec, prompt: str, *, eval_mode: bool,
+                    rows: int = 0) -> RolloutConfig:
   return RolloutConfig(think=policy.think, keep_thoughts=policy.keep_thoughts,
                        max_new_tokens=policy.max_new_tokens, temperature=policy.temperature,
                        top_p=policy.top_p, top_k=policy.top_k,
@@ -59,7 +61,8 @@ def _rollout_config(policy: PolicySpec, rl: RLSpec, prompt: str, *, eval_mode: b
                        format_penalty=False if eval_mode else rl.format_penalty,
                        language=policy.language or None,
                        system_prompt=prompt if eval_mode else "training",
-                       share_prefix=rl.share_prefix, stop_sequences=policy.stop_sequences)
+                       share_prefix=rl.share_prefix, stop_sequences=policy.stop_sequences,
+                       rows=rows)
 
 
 # -- the run specs --------------------------------------------------------------------------------
@@ -71,8 +74,8 @@ class RunSpec:
   and the checkpoints' metadata; nothing reads settings from it."""
   SECTIONS: ClassVar[dict[str, type]] = {
       "policy": PolicySpec, "critic": CriticSpec, "simulator": SimulatorSpec, "data": DataSpec,
-      "rl": RLSpec, "optim": OptimSpec, "mesh": MeshConfig, "checkpoint": CheckpointSpec,
-      "eval": EvalSpec, "log": LogSpec}
+      "rl": RLSpec, "rollout": RolloutSpec, "optim": OptimSpec, "mesh": MeshConfig,
+      "checkpoint": CheckpointSpec, "eval": EvalSpec, "log": LogSpec}
 
   algo: str = "grpo"
   seed: int = 0
@@ -82,6 +85,7 @@ class RunSpec:
   simulator: SimulatorSpec = SimulatorSpec()
   data: DataSpec = DataSpec()
   rl: RLSpec = RLSpec()
+  rollout: RolloutSpec = RolloutSpec()
   optim: OptimSpec = OptimSpec()
   mesh: MeshConfig = MeshConfig()
   checkpoint: CheckpointSpec = CheckpointSpec()
@@ -113,6 +117,11 @@ class RunSpec:
     # A format penalty needs a format to check: only think mode asks for one.
     require("rl.format_penalty", r.format_penalty, not r.format_penalty or p.think,
             "False unless policy.think=True (no-think replies have no format to penalise)")
+    # A group's dialogues start together (their shared opening is prefilled once and copied).
+    rows, n = self.rollout.rows, r.dialogues_per_step
+    require("rollout.rows", rows, rows == 0 or r.group_size <= rows <= n,
+            f"0 (lockstep) or in [rl.group_size={r.group_size}, the step's {n} dialogues "
+            "(rl.profiles_per_step x rl.group_size)]: a group's dialogues start together")
     if p.reshapes_sampling and r.correction[0] == "none":
       # The trainer's ratios use the model's own (T=1, untruncated) log-probs; samples drawn from a
       # reshaped distribution are off-policy unless a rollout correction accounts for it.
@@ -139,13 +148,15 @@ class RunSpec:
 
   def rollout_config(self) -> RolloutConfig:
     """The training rollout: the policy's sampling, the configured rewards."""
-    return _rollout_config(self.policy, self.rl, "training", eval_mode=False)
+    return _rollout_config(self.policy, self.rl, "training", eval_mode=False,
+                           rows=self.rollout.rows)
 
   def holdout_rollout_config(self) -> RolloutConfig:
     """The held-out evaluation during training: eval sampling (config.eval), terminal rewards."""
     e = self.eval
-    return dataclasses.replace(_rollout_config(self.policy, self.rl, e.policy_prompt, eval_mode=True),
-                               temperature=e.temperature, top_p=e.top_p, top_k=e.top_k)
+    base = _rollout_config(self.policy, self.rl, e.policy_prompt, eval_mode=True,
+                           rows=self.rollout.rows)
+    return dataclasses.replace(base, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k)
 
   def loss_config(self) -> LossConfig:
     r = self.rl

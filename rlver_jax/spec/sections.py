@@ -285,6 +285,16 @@ def _check_policy_loss(rl: RLSpec) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+  """config.rollout: how a step's dialogues share the samplers' KV cache rows."""
+  rows: int = 0                  # 0 = every dialogue at once (lockstep); else at most this many
+
+  def __post_init__(self):
+    require("rollout.rows", self.rows, _is_int(self.rows) and self.rows >= 0,
+            "an integer >= 0 (0 = a cache row for every dialogue of the step)")
+
+
+@dataclasses.dataclass(frozen=True)
 class OptimSpec:
   """config.optim: AdamW for the actor and the critic, with a linear warm-up."""
   actor_lr: float = 1e-6

@@ -84,7 +84,8 @@ class Trainer:
     self.policy, self.chat, self.policy_path = build.load_policy(spec.policy, self.mesh)
     self.sampler = build.policy_sampler(self.policy, self.chat, spec.policy, self.mesh)
     self.backend = build.simulator_backend(spec.simulator, self.mesh, seed=spec.seed,
-                                           share_prefix=spec.rl.share_prefix)
+                                           share_prefix=spec.rl.share_prefix,
+                                           rows=spec.rollout.rows)
     loss_cfg = spec.loss_config()
     self.policy_up = Updater(self.policy, make_optimizer(spec.optim.optim_config()), "policy", loss_cfg)
     self.state: dict[str, Any] = {"policy": nnx.state(self.policy, nnx.Param)}

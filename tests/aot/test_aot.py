@@ -193,6 +193,28 @@ def test_run_program_arguments_match_the_resident_state(tiny_search):
   assert rows["grpo_update"].alias_bytes == pytest.approx(update, rel=0.05)   # donated
 
 
+def test_planned_cache_bytes_follow_the_rollout_rows(tiny_preset):
+  """rollout.rows sizes both KV caches (continuous batching): 8 dialogues on 4 rows plan half the
+  bytes of 8 rows (lockstep); the state the caches do not hold is unchanged."""
+  config = _tiny_run()
+  config.rl.profiles_per_step = 4  # 4 groups of 2
+  mesh = make_mesh(MeshConfig(), topology.get_topology("v5e:1x1"))
+  plans = {}
+  for rows in (0, 8, 4, 2):
+    config.rollout.rows = rows
+    plans[rows] = run_plan.Plan(config, mesh, 16 * 2**30).state["rollout"]
+    assert ap.rollout_rows(config, mesh) == (rows or 8)
+  c = _TINY
+  # A simulator row (1 layer, fp32 as in runlocal): k and v of 256 slots, and its int32 length.
+  sim_row = 2 * 1 * 256 * c.num_kv_heads * c.head_dim * 4 + 4
+  policy_row = plans[2]["policy KV cache"] / 2
+  for rows, state in plans.items():
+    assert state["simulator KV cache"] == (rows or 8) * sim_row
+    assert state["policy KV cache"] == (rows or 8) * policy_row
+    assert state["policy params"] == plans[0]["policy params"]
+  assert plans[8] == plans[0]
+
+
 def test_resident_state_counts_per_device_shards(tiny_preset):
   config = _tiny_run("ppo_think")
   mesh = make_mesh(MeshConfig(), topology.get_topology("v5e:2x2"))

@@ -1,5 +1,5 @@
 """The step-time model: roofline arithmetic against hand numbers, loop counting in XLA's cost,
-lockstep call layout against a hand trace, and the CLI on the smallest TPU slice (libtpu)."""
+lockstep and continuous-batching call layouts against hand traces, and the CLI on the smallest TPU slice (libtpu)."""
 import importlib.util
 import json
 import pathlib
@@ -11,7 +11,7 @@ import pytest
 from absl import flags
 from absl.testing import flagsaver
 
-from rlver_jax.aot import step_calls, step_time
+from rlver_jax.aot import step_calls, step_time, step_time_cli
 from rlver_jax.aot.chips import CHIPS, ChipSpec, chip_for_kind
 from rlver_jax.aot.collectives import collective_bytes
 from rlver_jax.aot.step_time import Cost, PhaseTime, extrapolate
@@ -158,6 +158,27 @@ def test_stated_calls_follow_the_lockstep_rollout_by_hand():
     step_calls.StatedLengths(0, 1, 1, 1, 1, 1, 1, 1)
 
 
+def test_stated_calls_follow_continuous_batching_by_hand():
+  """6 dialogues (3 groups of 2) on 4 rows: 2 groups at once, all of one length, so their rows free
+  up together and the third group runs alone after them: every sampler call twice (at 4 rows)."""
+  lengths = step_calls.StatedLengths(2, 32, 20, 30, 40, 100, 120, 30)
+  config = _config()
+  config.rl.profiles_per_step = 3
+  lockstep = step_calls.stated_calls(config, lengths)
+  assert lockstep["policy/prefill/T256/W64"] == 1 and step_calls.waves(config) == 1
+  for rows, waves in ((4, 2), (5, 2), (2, 3), (6, 1)):  # 5: a group never splits, 1 row idles
+    config.rollout.rows = rows
+    assert step_calls.waves(config) == waves
+    calls = step_calls.stated_calls(config, lengths)
+    for key, n in lockstep.items():
+      assert calls[key] == (n if key.startswith(("update/", "forward/")) else waves * n), key
+  assert set(calls) == set(lockstep)
+  # The layout word of the estimate's header.
+  assert step_time_cli.layout_word(config) == "continuous, 6 rows"
+  config.rollout.rows = 0
+  assert step_time_cli.layout_word(config) == "lockstep"
+
+
 def test_calls_from_metrics_reads_a_step_and_names_a_bad_file(tmp_path):
   path = tmp_path / "metrics.jsonl"
   rows = [{"step": 1, "calls/policy/decode_steps/W64": 3.0, "rollout_seconds": 2.0},
@@ -203,3 +224,8 @@ def test_cli_estimates_a_tiny_run_on_one_v5e_chip(tiny_run_config, tmp_path, cap
   assert "(step 3); 4 programs compiled" in out   # decode at 2 windows, the update, the log-prob pass
   assert "| policy decode | 10 |" in out and "| simulator decode | 0 |" in out
   assert "measured: rollout 0.50 s, update 0.25 s" in out and "TPU v5e at 197 TFLOP/s" in out
+  # --rows is checked like config.rollout.rows (a group of 2 starts together).
+  from rlver_jax.aot.topology import AotError
+  with flagsaver.flagsaver(estimate_time=True, topology="v5e:1x1", rows=1):
+    with pytest.raises(AotError, match=r"config.rollout.rows=1: must be 0 \(lockstep\) or in"):
+      cli._run(tiny_run_config)

@@ -65,13 +65,17 @@ def _params(workdir, config):
   return jax.tree.map(np.asarray, trainer.state), trainer.step
 
 
-@pytest.mark.parametrize("algo,simulator", [("grpo", "scripted"), ("grpo", "model"), ("ppo", "scripted")])
+@pytest.mark.parametrize("algo,simulator", [("grpo", "scripted"), ("grpo", "model"), ("ppo", "scripted"),
+                                            ("grpo", "model-rows")])
 def test_resume_equals_straight_run(world, tmp_path, algo, simulator):
   # With a sampling simulator (the tiny policy plays the user) its random draws must repeat too;
-  # PPO restores a critic and its optimizer as well.
+  # PPO restores a critic and its optimizer as well. "model-rows": continuous batching, the 16
+  # dialogues of a step on 8 cache rows of each sampler (rollout.rows).
   sim = {} if simulator == "scripted" else {
       "simulator.backend": "model", "simulator.checkpoint": world["policy"],
       "simulator.max_new_tokens": 6, "simulator.max_context": 2048, "simulator.dtype": "float32"}
+  if simulator == "model-rows":
+    sim["rollout.rows"] = 8
   # Both schedules must resume mid-warm-up.
   warmup = {"optim.warmup_steps": 3, "optim.critic_warmup_steps": 3} if algo == "ppo" else {}
   cfg = lambda steps: _config(world, algo, total_steps=steps, **sim, **warmup, **{"log.transcripts_every": 1})

@@ -162,26 +162,41 @@ def waves(model, params, chat: ChatTokens, args, seed: int) -> dict:
               turns_per_dialogue=float(np.mean([len(d.policy_replies) for d in done])), parse_failures=0)
 
 
+# What each variant turns on: stop rules, continuous batching (on half the rows), a group's shared
+# prefix prefilled once (only differs from "cached" with --group-size > 1).
+FEATURES = {"cached": (False, False, True), "re-prefill": (False, False, True),
+            "cached+stops": (True, False, True), "continuous": (False, True, True),
+            "unshared": (False, False, False), "all": (True, True, True)}
+
+
+def dialogue_groups(args) -> tuple[list, list[int]]:
+  """The step's profiles and group ids: dialogues // group_size demo profiles, group_size each."""
+  g = args.group_size
+  base = (load_demo_profiles() * args.dialogues)[: args.dialogues // g]
+  return [p for p in base for _ in range(g)], [i for i in range(len(base)) for _ in range(g)]
+
+
 def rollout(kind: str, model, params, chat: ChatTokens, args, seed: int) -> dict:
   """One batch of dialogues; returns wall time, per-model seconds and token counts."""
   if kind == "lockstep-half":
     return waves(model, params, chat, args, seed)
   policy, sim = make_samplers(kind, model, chat, args)
-  stops = kind.endswith("+stops")
-  rows = max(args.dialogues // 2, 1) if kind == "continuous" else 0
+  stops, continuous, share = FEATURES[kind]
+  rows = max(args.dialogues // 2, args.group_size) if continuous else 0
   if args.user == "scripted-ends":
     backend = EndingUser(args.turns)
   else:
     backend = ModelBackend(sim, params, chat, max_new_tokens=args.sim_new, rows=rows, seed=seed + 1,
-                           sampling=SamplingParams.make(0.7, 0.9, 0), stop_at_lines=stops)
-  profiles = (load_demo_profiles() * args.dialogues)[: args.dialogues]
+                           sampling=SamplingParams.make(0.7, 0.9, 0), stop_at_lines=stops,
+                           share_prefix=share)
+  profiles, groups = dialogue_groups(args)
   users = SimulatedUsers(profiles, backend, style="vanilla", start_emotion=30, max_turns=args.turns,
-                         max_parse_retries=1)
+                         max_parse_retries=args.retries, groups=groups if args.group_size > 1 else None)
   cfg = RolloutConfig(think=args.think, max_new_tokens=args.policy_new, temperature=1.0,
-                      stop_sequences=("<|im_start|>",) if stops else (), rows=rows)
+                      stop_sequences=("<|im_start|>",) if stops else (), rows=rows, share_prefix=share)
   stats = RolloutStats()
   t0, c0 = time.perf_counter(), _overhead()
-  dialogues = run_dialogues(profiles, list(range(len(profiles))), users, sampler=policy, params=params,
+  dialogues = run_dialogues(profiles, groups, users, sampler=policy, params=params,
                             chat=chat, cfg=cfg, rng=jax.random.key(seed), stats=stats)
   wall = time.perf_counter() - t0
   compile_s = _overhead() - c0
@@ -213,8 +228,9 @@ def main():
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--variants", default="cached,re-prefill",
                   help="comma-separated: cached, re-prefill, cached+stops (on-device stop rules), "
-                  "continuous (cached on dialogues // 2 cache rows), lockstep-half (lockstep waves "
-                  "on as many rows; --user scripted-ends only)")
+                  "continuous (cached on dialogues // 2 cache rows), unshared (cached without the "
+                  "groups' shared prefix), all (stops + continuous + shared prefix), lockstep-half "
+                  "(lockstep waves on as many rows; --user scripted-ends only)")
   ap.add_argument("--user", default="model", choices=("model", "scripted-ends"),
                   help="the simulated user: SmolLM2, or the scripted one ending dialogues at turns 1..")
   ap.add_argument("--batching", action="store_true",
@@ -222,9 +238,24 @@ def main():
                   "--user scripted-ends")
   ap.add_argument("--quick", action="store_true",
                   help="2 dialogues x 2 turns (max_turns as in :runlocal), no warm-up: fits a slow CPU")
+  ap.add_argument("--group-size", type=int, default=1,
+                  help="dialogues per profile (a GRPO group: they share their opening and prefix)")
+  ap.add_argument("--retries", type=int, default=1, help="simulator.max_parse_retries")
+  ap.add_argument("--runlocal", action="store_true",
+                  help="grpo_think.py:runlocal's per-dialogue shapes (policy 32 / simulator 40 new "
+                  "tokens, 1k / 3k caches, 2 turns, no parse retry, groups of 2) on --dialogues "
+                  "dialogues; variants unshared (all off), cached (shared prefix), cached+stops, "
+                  "continuous, all")
   args = ap.parse_args()
   if args.quick:
     args.dialogues, args.turns, args.warmup = 2, 2, False
+  if args.runlocal:
+    args.policy_new, args.sim_new, args.policy_context, args.sim_context = 32, 40, 1024, 3072
+    args.turns, args.retries, args.group_size = 2, 0, 2
+    if args.variants == ap.get_default("variants"):
+      args.variants = "unshared,cached,cached+stops,continuous,all"
+  if args.dialogues % args.group_size:
+    raise SystemExit(f"--dialogues {args.dialogues} is not a multiple of --group-size {args.group_size}")
   if args.batching:
     args.variants, args.user = "cached,continuous,lockstep-half", "scripted-ends"
 
@@ -233,7 +264,7 @@ def main():
   model, _ = load_pretrained(path, dtype=jnp.float32)
   params = nnx.state(model)
   kinds = tuple(args.variants.split(","))
-  known = ("cached", "re-prefill", "cached+stops", "continuous", "lockstep-half")
+  known = tuple(FEATURES) + ("lockstep-half",)
   bad = [k for k in kinds if k not in known]
   if bad:
     raise SystemExit(f"--variants: unknown variant {bad[0]!r} ({', '.join(known)})")
@@ -261,9 +292,11 @@ def main():
   print(machine_info() + "\n")
   user = ("the scripted user, goodbye at turn 1 + d % max_turns in dialogue d" if
           args.user == "scripted-ends" else f"simulator {args.sim_new} (T=0.7, top-p 0.9)")
-  print(f"{args.dialogues} dialogues (demo profiles), max_turns={args.turns}, think={args.think}, policy "
+  print(f"{args.dialogues} dialogues (demo profiles, groups of {args.group_size}), max_turns={args.turns}, "
+        f"parse retries {args.retries}, think={args.think}, policy "
         f"{args.policy_new} new tokens/turn (T=1.0), {user}; fp32 SmolLM2-135M, caches "
-        f"{args.policy_context} / {args.sim_context} slots; continuous: {max(args.dialogues // 2, 1)} rows. "
+        f"{args.policy_context} / {args.sim_context} slots; continuous: "
+        f"{max(args.dialogues // 2, args.group_size)} rows. "
         f"{args.reps} timed rollout(s) per variant (alternating, medians) after "
         f"{'one warm-up rollout' if args.warmup else 'no warm-up'}; every time is net of the XLA "
         f"compile + trace seconds measured during it (jax.monitoring).\n")
@@ -285,6 +318,10 @@ def main():
     if "cached" in res and other in res:
       print()
       print(ratio_table(res["cached"], res[other], other))
+  for other in ("cached", "all"):  # what sharing, and every change together, buy over none of them
+    if "unshared" in res and other in res:
+      print()
+      print(ratio_table(res[other], res["unshared"], other, base="unshared"))
   if "continuous" in res and "lockstep-half" in res:  # the same rows, scheduled two ways
     print()
     print(ratio_table(res["lockstep-half"], res["continuous"], "continuous").replace(
@@ -299,9 +336,12 @@ def main():
           f"{warm['compile_s']:.1f} s compile + trace, {warm['compiles']} XLA programs.")
 
 
-def ratio_table(c: dict, p: dict, other: str) -> str:
-  """`cached` against another variant: > 1x means the other is slower."""
-  if other in ("cached+stops", "continuous"):
+def ratio_table(c: dict, p: dict, other: str, base: str = "cached") -> str:
+  """`cached` against another variant: > 1x means the other is slower. With `base` given, `c` is
+  the variant `other` and `p` the base: > 1x means `other` is faster."""
+  if base != "cached":
+    head = f"ratio {other} / {base}"
+  elif other in ("cached+stops", "continuous"):
     c, p = p, c  # the stop rules' / continuous batching's speed-up: it / plain
     head = f"ratio {other} / cached"
   else:

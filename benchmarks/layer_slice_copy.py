@@ -1,0 +1,93 @@
+"""What a decode step pays to read each layer's cache window out of the stacked [L, B, K, S, Dh] cache.
+
+The decode loop runs the layers as a `lax.scan` over the stacked cache and slices each layer's window
+(`CacheView._layer_window`). This times, on random data at a simulator's decode shapes (SmolLM2: 30
+layers, 3 KV heads of 64, 9 query heads; batch 8; window 4k), the attention of one decode step
+(q.k, softmax, p.v) over all layers three ways: (1) the scan slicing the stacked cache, as the
+sampler does; (2) the same math on per-layer buffers (a Python loop over separate arrays); and, for
+scale, (3) one read of the whole cache (`jnp.sum`) and (4) splitting the stacked cache into
+per-layer buffers (fresh arrays, as a per-call split would allocate them).
+
+  python benchmarks/layer_slice_copy.py [--window 4096] [--batch 8] [--reps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import _common  # noqa: F401  (JAX_PLATFORMS=cpu unless the caller set it)
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from _common import command_line, machine_info, table
+
+L, K, G, DH = 30, 3, 3, 64
+
+
+def best_ms(fn, *args, reps: int) -> float:
+  jax.block_until_ready(fn(*args))
+  best = float("inf")
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - t0)
+  return best * 1e3
+
+
+def attend(q, k, v):
+  """q [B, K, G, Dh], k/v [B, K, W, Dh] -> [B, K, G, Dh] (keys-major scores, one softmax)."""
+  s = jnp.einsum("bksd,bkgd->bksg", k, q)
+  p = jnp.exp(s - s.max(2, keepdims=True))
+  p = p / p.sum(2, keepdims=True)
+  return jnp.einsum("bksg,bksd->bkgd", p, v)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--window", type=int, default=4096)
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--reps", type=int, default=5)
+  args = ap.parse_args()
+  B, W = args.batch, args.window
+  r = np.random.default_rng(0)
+  ck = jnp.asarray(r.standard_normal((L, B, K, W, DH), np.float32))
+  cv = jnp.asarray(r.standard_normal((L, B, K, W, DH), np.float32))
+  q = jnp.asarray(r.standard_normal((L, B, K, G, DH), np.float32))
+
+  @jax.jit
+  def scanned(ck, cv, q):
+    def body(acc, l):
+      k = jax.lax.dynamic_index_in_dim(ck, l, 0, keepdims=False)
+      v = jax.lax.dynamic_index_in_dim(cv, l, 0, keepdims=False)
+      return acc + attend(q[l], k, v).sum(), None
+    return jax.lax.scan(body, jnp.float32(0), jnp.arange(L))[0]
+
+  @jax.jit
+  def per_layer(ks, vs, q):
+    return sum(attend(q[l], ks[l], vs[l]).sum() for l in range(L))
+
+  ks, vs = [ck[l] for l in range(L)], [cv[l] for l in range(L)]
+  a, b = float(scanned(ck, cv, q)), float(per_layer(ks, vs, q))
+  assert abs(a - b) <= 1e-3 * max(1.0, abs(a)), (a, b)  # the same attention either way
+  split = jax.jit(lambda ck, cv: (tuple(ck[l] for l in range(L)), tuple(cv[l] for l in range(L))))
+  gib = 2 * ck.nbytes / 2**30
+  rows = [
+      ["attention, scan slicing the stacked cache (the sampler's decode)",
+       f"{best_ms(scanned, ck, cv, q, reps=args.reps):.1f}"],
+      ["attention, per-layer buffers (Python loop over separate arrays)",
+       f"{best_ms(per_layer, ks, vs, q, reps=args.reps):.1f}"],
+      [f"one read of the whole cache ({gib:.2f} GiB, jnp.sum)",
+       f"{best_ms(jax.jit(lambda a, b: a.sum() + b.sum()), ck, cv, reps=args.reps):.1f}"],
+      ["splitting the stacked cache into per-layer buffers (fresh arrays)",
+       f"{best_ms(split, ck, cv, reps=args.reps):.1f}"],
+  ]
+  print(f"Command: `{command_line()}`\n")
+  print(machine_info() + "\n")
+  print(f"{L} layers, batch {B}, window {W}, {K} KV heads x {DH}, {K * G} query heads, fp32; best of "
+        f"{args.reps}\n")
+  print(table(["one decode step's", "ms"], rows))
+
+
+if __name__ == "__main__":
+  main()

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_WORKERS ?= 2
 
-.PHONY: install embedded demo demo-model test bench clean
+.PHONY: install embedded demo demo-model test bench bench-tunix-env clean
 
 $(STAMP): setup.py requirements.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,16 @@ demo: embedded
 
 demo-model: embedded
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(BIN)/python -m rlver_jax.main --config=configs/demo.py:model
+
+# Benchmark-only environment for `decode_throughput.py --peers tunix`: google-tunix pins
+# safetensors<0.8, so it goes in without its dependencies, on top of the project's pins
+# (benchmarks/requirements-tunix*.txt).
+TUNIX_VENV := .venv-tunix
+bench-tunix-env: embedded
+	test -x $(TUNIX_VENV)/bin/python || $(PYTHON) -m venv $(TUNIX_VENV)
+	$(TUNIX_VENV)/bin/pip install -q torch==2.13.0 -e .
+	$(TUNIX_VENV)/bin/pip install -q --no-deps -r benchmarks/requirements-tunix.txt
+	$(TUNIX_VENV)/bin/pip install -q -c requirements.txt -r benchmarks/requirements-tunix-deps.txt
 
 test: install
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=15 tests

@@ -3,8 +3,12 @@
 Same SmolLM2-135M-Instruct weights (the embedded HF directory) on both sides, fp32, batch 8, chat
 prompts of equal length, exactly `--new` new tokens per row (no stop tokens on either side), greedy,
 temperature-1 sampling and the simulator's T=0.7 / top-p 0.9. Runs alternate ours / transformers, `--reps` times; medians are reported.
+`--peers transformers,tunix` adds google-tunix's JAX sampler on the same weights and prompt ids to
+every rep (`tunix_peer.py`; needs `make bench-tunix-env` and its `.venv-tunix/bin/python`); tunix
+compiles once per temperature, so each mode is warmed up on every side before the timed reps.
 
   python benchmarks/decode_throughput.py [--batch 8] [--new 128] [--reps 3] [--no-bf16]
+  ../.venv-tunix/bin/python decode_throughput.py --peers transformers,tunix --no-bf16 --no-probe
 """
 from __future__ import annotations
 
@@ -156,7 +160,12 @@ def main():
                   help="keep OpenMP's default spin-wait (pathological on an oversubscribed machine)")
   ap.add_argument("--no-bf16", dest="bf16", action="store_false")
   ap.add_argument("--no-probe", dest="probe", action="store_false")
+  ap.add_argument("--peers", default="transformers",
+                  help="comma-separated peers timed in every rep: transformers (always), tunix")
   args = ap.parse_args()
+  peers = set(args.peers.split(",")) | {"transformers"}
+  if peers - {"transformers", "tunix"}:
+    raise SystemExit(f"--peers: unknown peer(s) {sorted(peers - {'transformers', 'tunix'})}")
   if not args.omp_active:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch's OpenMP starts
 
@@ -175,11 +184,19 @@ def main():
   _, t_pre0, t_dec0 = ours.generate(prompts, 0.0, 0)
   compiles, compile_s = counter.snapshot()
   _, first_hf = hf.generate(prompts, 0.0, 0)
-  counter.reset()
 
   # (temperature, top_p); the last is the simulator's default sampling (configs/base.py).
   modes = {"greedy": (0.0, 1.0), "T=1.0": (1.0, 1.0), "T=0.7 top_p=0.9": (0.7, 0.9)}
-  res = {(m, side): [] for m in modes for side in ("ours", "ours_decode", "hf")}
+  tx, tx_first = None, {}
+  if "tunix" in peers:
+    from tunix_peer import Tunix
+    tx = Tunix(path, prompts, args.new)
+    for m, (temp, top_p) in modes.items():  # compiles per temperature; ours compiled once above
+      tx_first[m] = tx.generate(prompts, temp, 0, top_p)[1]
+  for temp, top_p in modes.values():  # our sampling variants run once before the timed reps too
+    ours.generate(prompts, temp, 0, top_p)
+  counter.reset()
+  res = {(m, side): [] for m in modes for side in ("ours", "ours_decode", "hf", "tunix")}
   greedy = {}
   for rep in range(args.reps):
     for m, (temp, top_p) in modes.items():
@@ -188,10 +205,15 @@ def main():
       res[(m, "ours_decode")].append(t_dec)
       hf_toks, t_hf = hf.generate(prompts, temp, rep, top_p=top_p)
       res[(m, "hf")].append(t_hf)
+      tx_note = ""
+      if tx:
+        tx_toks, t_tx = tx.generate(prompts, temp, rep, top_p)
+        res[(m, "tunix")].append(t_tx)
+        tx_note = f", tunix {n_tok / t_tx:.1f} tok/s"
       if temp == 0:
-        greedy = {"ours": toks, "hf": hf_toks}
+        greedy = {"ours": toks, "hf": hf_toks, "tunix": tx_toks if tx else None}
       print(f"rep {rep} {m}: ours {n_tok / (t_pre + t_dec):.1f} tok/s (decode only "
-            f"{n_tok / t_dec:.1f}), transformers {n_tok / t_hf:.1f} tok/s", flush=True)
+            f"{n_tok / t_dec:.1f}), transformers {n_tok / t_hf:.1f} tok/s{tx_note}", flush=True)
   recompiles = counter.snapshot()[0]
 
   probe = prefill_probe(ours, hf, chat, B, args.content, 2) if args.probe else None
@@ -220,6 +242,15 @@ def main():
                  f"{o:.2f}", f"{h:.2f}"])
   print(table(["mode", "ours tok/s (prefill+decode)", "ours tok/s (decode only)",
                "transformers tok/s", "ours / transformers", "ours s", "transformers s"], rows))
+  if tx:
+    print()
+    print(table(["mode", "ours tok/s (prefill+decode)", "tunix tok/s (prefill+decode)", "ours / tunix",
+                 "tunix first call s (compile + run)"],
+                [[m, f"{n_tok / median(res[(m, 'ours')]):.1f}", f"{n_tok / median(res[(m, 'tunix')]):.1f}",
+                  f"{median(res[(m, 'tunix')]) / median(res[(m, 'ours')]):.2f}x", f"{tx_first[m]:.2f}"]
+                 for m in modes]))
+    lo_t, mean_t = agreement(greedy["ours"], greedy["tunix"])
+    print(f"\ngreedy common prefix ours vs tunix (min / mean over rows): {lo_t} / {mean_t:.1f} of {args.new}")
   print()
   lo, mean = agreement(greedy["ours"], greedy["hf"])
   print(table(["item", "value"], [

@@ -56,6 +56,17 @@ def llama_config(path: str):
       weight_tying=bool(c.get("tie_word_embeddings", False)))
 
 
+def _use_config_rope_theta(theta: int) -> None:
+  """tunix 0.1.7's Llama3 attention calls `apply_rope` without the config's `rope_theta`, so every
+  model runs at its default base (1e6; SmolLM2 has 1e5) and decodes other tokens than the checkpoint
+  does. Binding the config's value makes the outputs comparable; the work per step is unchanged."""
+  import functools
+
+  from tunix.models.llama3 import model as llama
+  original = getattr(llama.apply_rope, "func", llama.apply_rope)
+  llama.apply_rope = functools.partial(original, rope_theta=theta)
+
+
 class Tunix:
   """tunix's Sampler on the given prompts, `new` tokens per row, fp32."""
 
@@ -68,6 +79,7 @@ class Tunix:
     pad_id = cfg.vocab_size - 1
     if (prompts == pad_id).any():
       raise ValueError(f"pad id {pad_id} occurs in a prompt: tunix would mask it as padding")
+    _use_config_rope_theta(cfg.rope_theta)
     self.model = llama_params.create_model_from_safe_tensors(path, cfg, dtype=jnp.float32)
     self.prompt_len, self.new = prompts.shape[1], new
     cache = CacheConfig(cache_size=self.prompt_len + new, num_layers=cfg.num_layers,

@@ -4,9 +4,18 @@ The decode loop runs the layers as a `lax.scan` over the stacked cache and slice
 (`CacheView._layer_window`). This times, on random data at a simulator's decode shapes (SmolLM2: 30
 layers, 3 KV heads of 64, 9 query heads; batch 8; window 4k), the attention of one decode step
 (q.k, softmax, p.v) over all layers three ways: (1) the scan slicing the stacked cache, as the
-sampler does; (2) the same math on per-layer buffers (a Python loop over separate arrays); and, for
-scale, (3) one read of the whole cache (`jnp.sum`) and (4) splitting the stacked cache into
-per-layer buffers (fresh arrays, as a per-call split would allocate them).
+sampler does; (2) the same math on per-layer buffers (a Python loop over separate arrays); (3) the
+other ways to reach a layer's window inside one program that do not need per-layer buffers: the
+cache as the scan's xs, a `fori_loop`, the scan fully unrolled (static slices of the stack), and the
+scores as a multiply-reduce instead of a dot; and, for scale, (4) one read of the whole cache
+(`jnp.sum`) and (5) splitting the stacked cache into per-layer buffers (fresh arrays, as a per-call
+split would allocate them).
+
+Why the slice costs (read from the compiled HLO): XLA:CPU runs the dots and reductions as YNNPACK
+library fusions, which take no dynamic-slice operand, so each layer's window is first materialized by
+a loop fusion (a copy of the window, K and V) and only then read by the attention. Turning the
+library fusions off (`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=`) keeps a gap between (1) and
+(2) and makes (2) slower; only per-layer buffers avoid the copy.
 
   python benchmarks/layer_slice_copy.py [--window 4096] [--batch 8] [--reps 5]
 """
@@ -43,6 +52,40 @@ def attend(q, k, v):
   return jnp.einsum("bksg,bksd->bkgd", p, v)
 
 
+def attend_reduced(q, k, v):
+  """`attend` with the scores and the weighted sum as multiply-reduce (loop fusions), not dots."""
+  s = (k[:, :, :, None, :] * q[:, :, None, :, :]).sum(-1)
+  p = jnp.exp(s - s.max(2, keepdims=True))
+  p = p / p.sum(2, keepdims=True)
+  return (p[..., None] * v[:, :, :, None, :]).sum(2)
+
+
+def sliced_scan(attention, unroll: int = 1):
+  """The layer scan slicing layer l's window out of the stacked cache, as `CacheView` does."""
+  @jax.jit
+  def run(ck, cv, q):
+    def body(acc, l):
+      k = jax.lax.dynamic_index_in_dim(ck, l, 0, keepdims=False)
+      v = jax.lax.dynamic_index_in_dim(cv, l, 0, keepdims=False)
+      return acc + attention(q[l], k, v).sum(), None
+    return jax.lax.scan(body, jnp.float32(0), jnp.arange(L), unroll=unroll)[0]
+  return run
+
+
+@jax.jit
+def xs_scan(ck, cv, q):
+  return jax.lax.scan(lambda acc, x: (acc + attend(*x).sum(), None), jnp.float32(0), (q, ck, cv))[0]
+
+
+@jax.jit
+def fori(ck, cv, q):
+  def body(l, acc):
+    k = jax.lax.dynamic_index_in_dim(ck, l, 0, keepdims=False)
+    v = jax.lax.dynamic_index_in_dim(cv, l, 0, keepdims=False)
+    return acc + attend(q[l], k, v).sum()
+  return jax.lax.fori_loop(0, L, body, jnp.float32(0))
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--window", type=int, default=4096)
@@ -55,21 +98,20 @@ def main():
   cv = jnp.asarray(r.standard_normal((L, B, K, W, DH), np.float32))
   q = jnp.asarray(r.standard_normal((L, B, K, G, DH), np.float32))
 
-  @jax.jit
-  def scanned(ck, cv, q):
-    def body(acc, l):
-      k = jax.lax.dynamic_index_in_dim(ck, l, 0, keepdims=False)
-      v = jax.lax.dynamic_index_in_dim(cv, l, 0, keepdims=False)
-      return acc + attend(q[l], k, v).sum(), None
-    return jax.lax.scan(body, jnp.float32(0), jnp.arange(L))[0]
+  scanned = sliced_scan(attend)
 
   @jax.jit
   def per_layer(ks, vs, q):
     return sum(attend(q[l], ks[l], vs[l]).sum() for l in range(L))
 
   ks, vs = [ck[l] for l in range(L)], [cv[l] for l in range(L)]
-  a, b = float(scanned(ck, cv, q)), float(per_layer(ks, vs, q))
-  assert abs(a - b) <= 1e-3 * max(1.0, abs(a)), (a, b)  # the same attention either way
+  same_data = {"the cache as the scan's xs": xs_scan, "fori_loop slicing the stacked cache": fori,
+               "scan unrolled: static slices of the stacked cache": sliced_scan(attend, unroll=L),
+               "scan slicing, scores as multiply-reduce (no dot)": sliced_scan(attend_reduced)}
+  a = float(per_layer(ks, vs, q))
+  for fn in [scanned, *same_data.values()]:  # the same attention every way
+    b = float(fn(ck, cv, q))
+    assert abs(a - b) <= 1e-3 * max(1.0, abs(a)), (a, b)
   split = jax.jit(lambda ck, cv: (tuple(ck[l] for l in range(L)), tuple(cv[l] for l in range(L))))
   gib = 2 * ck.nbytes / 2**30
   rows = [
@@ -77,6 +119,7 @@ def main():
        f"{best_ms(scanned, ck, cv, q, reps=args.reps):.1f}"],
       ["attention, per-layer buffers (Python loop over separate arrays)",
        f"{best_ms(per_layer, ks, vs, q, reps=args.reps):.1f}"],
+      *[[name, f"{best_ms(fn, ck, cv, q, reps=args.reps):.1f}"] for name, fn in same_data.items()],
       [f"one read of the whole cache ({gib:.2f} GiB, jnp.sum)",
        f"{best_ms(jax.jit(lambda a, b: a.sum() + b.sum()), ck, cv, reps=args.reps):.1f}"],
       ["splitting the stacked cache into per-layer buffers (fresh arrays)",

@@ -5,7 +5,9 @@
   the only writer of each dialogue's `user_state.UserState` (emotion, changes, replies, ending,
   reward), which everything else reads. `simulator_prompts` holds its texts, `parsing` reads its
   answers (the stated change, the reply line, the analysis sections), `info_flow` says what its
-  steps see of each other (one growing chat, or the reference's clean transcript).
+  steps see of each other (one growing chat, or the reference's clean transcript). `user_rules`:
+  the checked rules a batch plays by (style, start emotion, turns, end, change rules), built from the
+  config by `SimulatorSpec.user_rules` for training and both evaluations.
 - `backends`: the `SimulatorBackend` protocol and the scripted and OpenAI-compatible HTTP backends
   (`scripted_rules` are the scripted one's rules); `model_backend`: a co-located model, whose
   `expected_change` gives the mean change under its own distribution (`simulator.change_mode`).

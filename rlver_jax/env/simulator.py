@@ -23,6 +23,7 @@ here: the rollout reads it and ends a dialogue through `SimulatedUsers.end`.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Callable, Sequence
 
@@ -30,11 +31,10 @@ from rlver_jax.env import info_flow as flows
 from rlver_jax.env import simulator_prompts as prompts
 from rlver_jax.env.backends import SimRequest, SimulatorBackend
 from rlver_jax.env.chat import says_goodbye
-from rlver_jax.env.expected_change import CHANGE_MODES
 from rlver_jax.env.parsing import change_value_offset, extract_reply, parse_change
 from rlver_jax.env.profiles import Profile, personality_key
-from rlver_jax.env.user_state import (SIMULATOR_ERROR, TERMINATIONS, TurnResult, UserState, end_below_need,
-                                      start_emotion_need)
+from rlver_jax.env.user_rules import UserRules
+from rlver_jax.env.user_state import SIMULATOR_ERROR, TERMINATIONS, TurnResult, UserState
 
 # What a user "says" when the simulator gave no usable reply line even after the retries: the text
 # before a marker is private planning (it may name the hidden theme) and must not reach the policy.
@@ -77,36 +77,18 @@ class SimulatedUsers:
                groups: Sequence[int] | None = None, end_below: int = 1,
                clamp_change: bool = True, score_guidance: bool = False,
                info_flow: str = "chat", change_mode: str = "sampled"):
-    if style not in prompts.STYLES:
-      raise ValueError(f"unknown simulator style {style!r}; expected one of {prompts.STYLES}")
-    if language_override is not None and language_override not in prompts.LANGUAGES:
-      raise ValueError(
-          f"unknown language {language_override!r}; expected one of {prompts.LANGUAGES}")
-    flows.check(info_flow)
-    if max_turns < 1 or max_parse_retries < 0:
-      raise ValueError(f"need max_turns >= 1 and max_parse_retries >= 0 (got {max_turns}, "
-                       f"{max_parse_retries})")
-    if change_mode not in CHANGE_MODES:
-      raise ValueError(f"simulator.change_mode={change_mode!r}: must be one of {CHANGE_MODES}")
+    rules = UserRules(style=style, start_emotion=start_emotion, max_turns=max_turns,
+                      max_parse_retries=max_parse_retries, language_override=language_override,
+                      end_below=end_below, clamp_change=clamp_change, score_guidance=score_guidance,
+                      info_flow=info_flow, change_mode=change_mode)  # checks every rule
     if change_mode == "expected" and not getattr(backend, "scores_changes", False):
       raise ValueError(f"simulator.change_mode='expected' needs the co-located model backend "
                        f"(simulator.backend='model'): {backend.server()} gives no distribution "
                        "over the change values")
-    for name, value, need in (("start_emotion", start_emotion, start_emotion_need(start_emotion)),
-                              ("end_below", end_below, end_below_need(end_below))):
-      if need:
-        raise ValueError(f"{name}={value}: must be {need}")
     self.profiles = list(profiles)
     self.backend = backend
-    self.style = style
-    self.start_emotion = start_emotion
-    self.max_turns = max_turns
-    self.max_parse_retries = max_parse_retries
-    self.end_below = end_below
-    self.clamp_change = clamp_change
-    self.score_guidance = score_guidance
-    self.info_flow = info_flow if backend.reads_context else "chat"
-    self.change_mode = change_mode
+    self.rules = rules
+    self.info_flow = info_flow if backend.reads_context else "chat"  # the flow this backend can run
     self.records = [
         UserState(row=i, profile=p, language=language_override or p.language, emotion=start_emotion)
         for i, p in enumerate(self.profiles)
@@ -115,6 +97,12 @@ class SimulatedUsers:
     self._kept = [flows.OPENING_KEPT] * len(self.records)  # per row: messages its transcript keeps
     self._opened: set[int] = set()
     backend.reset(len(self.records))
+
+  @classmethod
+  def playing(cls, profiles: Sequence[Profile], backend: SimulatorBackend, rules: UserRules, *,
+              groups: Sequence[int] | None = None) -> "SimulatedUsers":
+    """A batch driven by `rules` (what the trainer and the evaluations build from their config)."""
+    return cls(profiles, backend, groups=groups, **dataclasses.asdict(rules))
 
   def _group_leaders(self, groups: Sequence[int] | None) -> list[int]:
     """Per row, the first row of its group (itself without groups)."""
@@ -174,7 +162,7 @@ class SimulatedUsers:
     to_generate = []
     for rec in (self.records[r] for r in rows):
       rec.messages.append({"role": "system",
-                           "content": prompts.system_prompt(rec.profile, self.style, rec.language)})
+                           "content": prompts.system_prompt(rec.profile, self.rules.style, rec.language)})
       rec.messages.append({"role": "user", "content": prompts.opening_instruction(
           rec.language, self._passive(rec))})
       if rec.profile.first_talk:
@@ -238,7 +226,7 @@ class SimulatedUsers:
     for rec, reply in zip(recs, policy_replies):
       rec.policy_replies.append(reply)
       new, kept = flows.emotion_messages(self.info_flow, reply, _shown(rec.emotion), rec.language,
-                                         self.style, self.score_guidance)
+                                         self.rules.style, self.rules.score_guidance)
       self._kept[rec.row] = len(rec.messages) + kept
       rec.messages += new
     changes, failures, analyses = self._emotion_step(recs)
@@ -251,7 +239,7 @@ class SimulatedUsers:
       # A simulator out of context cannot judge or answer: the dialogue ends where it stands.
       full = self._full(rec.row)
       rec.termination = ("context_full" if full
-                         else rec.emotion_termination(self.max_turns, self.end_below))
+                         else rec.emotion_termination(self.rules.max_turns, self.rules.end_below))
     speaking = [rec for rec in recs
                 if rec.termination not in ("max_turns", "context_full", SIMULATOR_ERROR)]
     for rec in speaking:
@@ -283,10 +271,10 @@ class SimulatedUsers:
   def _emotion_step(self, recs: list[UserState]):
     """Runs the analysis, re-asking only the rows whose change line could not be parsed."""
     def parse(text):
-      return parse_change(text, clamp=self.clamp_change)
+      return parse_change(text, clamp=self.rules.clamp_change)
     changes, failures, analyses = self._ask(recs, "emotion", "retry", parse,
                                             prompts.retry_instruction)
-    if self.change_mode == "expected":
+    if self.rules.change_mode == "expected":
       changes = self._expected_changes(changes, analyses)
     for rec in recs:
       rec.parse_failures += failures[rec.row]
@@ -321,7 +309,7 @@ class SimulatedUsers:
     failures = {rec.row: 0 for rec in recs}
     texts: dict[int, str] = {}
     pending = recs
-    for attempt in range(self.max_parse_retries + 1):
+    for attempt in range(self.rules.max_parse_retries + 1):
       failed = []
       for rec, text in zip(pending, self._generate(pending, kind)):
         if text is None:  # the backend gave up on this row: its dialogue has ended
@@ -331,7 +319,7 @@ class SimulatedUsers:
         if parsed[rec.row] is None and not self._full(rec.row):  # full: nothing to retry
           failures[rec.row] += 1
           failed.append(rec)
-      if not failed or attempt == self.max_parse_retries:
+      if not failed or attempt == self.rules.max_parse_retries:
         break
       for rec in failed:
         rec.messages.append({"role": "user", "content": retry_prompt(rec.language)})

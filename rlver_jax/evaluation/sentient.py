@@ -61,13 +61,7 @@ def run_profiles(profiles: Sequence[Profile], backend, *, sampler: Sampler, para
   dialogues: list[Dialogue] = []
   for i, start in enumerate(range(0, len(profiles), users.batch_size)):
     batch = list(profiles[start:start + users.batch_size])
-    simulated = SimulatedUsers(batch, backend, style=simulator.style,
-                               start_emotion=users.start_emotion, max_turns=users.max_turns,
-                               max_parse_retries=simulator.max_parse_retries,
-                               end_below=users.end_below, clamp_change=simulator.clamp_change,
-                               score_guidance=simulator.score_guidance,
-                               info_flow=simulator.info_flow,
-                               change_mode=simulator.change_mode)
+    simulated = SimulatedUsers.playing(batch, backend, simulator.user_rules(users))
     dialogues += run_dialogues(batch, list(range(start, start + len(batch))), simulated, sampler=sampler,
                                params=params, chat=chat, cfg=rollout, rng=jax.random.fold_in(rng, i))
     check_no_simulator_errors(dialogues, backend, "evaluation")

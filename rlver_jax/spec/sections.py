@@ -10,6 +10,7 @@ from rlver_jax.env.info_flow import INFO_FLOWS
 from rlver_jax.env.expected_change import CHANGE_MODES
 from rlver_jax.env.rollout import REWARD_MODES
 from rlver_jax.env.simulator_prompts import LANGUAGES, STYLES
+from rlver_jax.env.user_rules import UserRules
 from rlver_jax.env.user_state import end_below_need, start_emotion_need
 from rlver_jax.rl.losses import AGG_MODES, KL_KINDS, POLICY_LOSSES
 from rlver_jax.rl.rollout_correction import IS_CORRECTIONS
@@ -167,6 +168,15 @@ class SimulatorSpec:
       # OpenAI-style chat APIs take temperature and top_p only.
       require("simulator.top_k", self.top_k, self.top_k == 0,
               "0 with simulator.backend='http' (the chat API has no top_k)")
+
+  def user_rules(self, users: "EvalSpec | None" = None) -> UserRules:
+    """The simulated users' rules: training's, or with `users` an evaluation's (its start emotion,
+    turn limit and end; the style and the simulator's rules stay this section's)."""
+    game = users or self
+    return UserRules(style=self.style, start_emotion=game.start_emotion, max_turns=game.max_turns,
+                     max_parse_retries=self.max_parse_retries, end_below=game.end_below,
+                     clamp_change=self.clamp_change, score_guidance=self.score_guidance,
+                     info_flow=self.info_flow, change_mode=self.change_mode)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,7 @@
 with the benchmark's rules (config.eval), written into the step's metrics row and TensorBoard."""
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import jax
@@ -24,11 +25,9 @@ def evaluate_holdout(trainer: Trainer, rng, should_stop=None) -> tuple[dict, lis
   e, s = trainer.spec.eval, trainer.spec.simulator
   profiles = trainer.holdout[: e.num_profiles or None]  # 0 = all, as in the eval config
   reseed_simulator(trainer.backend, rng)
-  users = SimulatedUsers(profiles, trainer.backend, style=s.style, start_emotion=e.start_emotion,
-                         max_turns=e.max_turns, max_parse_retries=s.max_parse_retries,
-                         end_below=e.end_below,
-                         clamp_change=True,  # the benchmark's rule, whatever training reads
-                         score_guidance=s.score_guidance, info_flow=s.info_flow)
+  # The benchmark's change rules (clamped, sampled), whatever training reads.
+  rules = dataclasses.replace(s.user_rules(e), clamp_change=True, change_mode="sampled")
+  users = SimulatedUsers.playing(profiles, trainer.backend, rules)
   with jax.set_mesh(trainer.mesh):
     dialogues = run_dialogues(profiles, list(range(len(profiles))), users, sampler=trainer.sampler,
                               params=trainer.state["policy"], chat=trainer.chat,

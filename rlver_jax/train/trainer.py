@@ -137,12 +137,8 @@ class Trainer:
     profiles = self.profile_sampler.next_batch(rl.profiles_per_step)
     profiles, groups = repeat_for_groups(profiles, rl.group_size)
     reseed_simulator(self.backend, rng)
-    users = SimulatedUsers(profiles, self.backend, style=s.style, start_emotion=s.start_emotion,
-                           max_turns=s.max_turns, max_parse_retries=s.max_parse_retries,
-                           groups=groups if rl.shared_opening else None, end_below=s.end_below,
-                           clamp_change=s.clamp_change, score_guidance=s.score_guidance,
-                           info_flow=s.info_flow,
-                           change_mode=s.change_mode)
+    users = SimulatedUsers.playing(profiles, self.backend, s.user_rules(),
+                                   groups=groups if rl.shared_opening else None)
     stats = RolloutStats()
     sim_before = self.backend.prefill_tokens  # the co-located model's count (else None)
     dialogues = run_dialogues(profiles, groups, users, sampler=self.sampler, params=self.state["policy"],

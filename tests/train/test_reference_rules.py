@@ -1,6 +1,7 @@
 """The reference's and the benchmark's dialogue rules as config values: turn budget, the two
 termination thresholds, the change clamp, numeric scoring guidance, the evaluation's policy prompt,
 each against a hand-built case, and their wiring from the configs into training and evaluation."""
+import dataclasses
 import importlib.util
 import pathlib
 from types import SimpleNamespace
@@ -139,8 +140,9 @@ class _Stop(Exception):
 
 
 def _capture(monkeypatch):
-  def fake(profiles, backend, **kw):
-    raise _Stop(kw)
+  def playing(profiles, backend, rules, groups=None):  # the real constructor's checks ran in UserRules
+    raise _Stop({**dataclasses.asdict(rules), "groups": groups})
+  fake = SimpleNamespace(playing=playing)
   monkeypatch.setattr(trainer_module, "SimulatedUsers", fake)
   monkeypatch.setattr(holdout_module, "SimulatedUsers", fake)
 
@@ -164,7 +166,27 @@ def test_trainer_and_holdout_pass_their_rules(monkeypatch):
   assert (kw["max_turns"], kw["end_below"], kw["start_emotion"]) == (9, 10, 40)
   c.unlock()
   c.rl.shared_opening = False
+  c.simulator.clamp_change, c.simulator.change_mode, c.simulator.style = False, "expected", "challenging"
   trainer.spec = RunSpec.from_config(c)
   with pytest.raises(_Stop) as unshared:
     Trainer.rollout(trainer, jax.random.key(0))
-  assert unshared.value.args[0]["groups"] is None
+  kw = unshared.value.args[0]
+  assert kw["groups"] is None
+  assert (kw["clamp_change"], kw["change_mode"], kw["style"]) == (False, "expected", "challenging")
+  with pytest.raises(_Stop) as holdout:  # the benchmark's change rules, training's style
+    holdout_module.evaluate_holdout(trainer, jax.random.key(0))
+  kw = holdout.value.args[0]
+  assert (kw["clamp_change"], kw["change_mode"], kw["style"]) == (True, "sampled", "challenging")
+
+
+def test_sentient_users_take_the_eval_game_and_the_simulator_rules():
+  ev = _config("eval_sentient")
+  ev.simulator.clamp_change, ev.simulator.style, ev.simulator.max_parse_retries = True, "vanilla", 1
+  ev.eval.start_emotion, ev.eval.max_turns, ev.eval.end_below = 55, 4, 20
+  spec = EvaluationSpec.from_config(ev)  # its simulator section keeps training's game defaults
+  assert (spec.simulator.start_emotion, spec.simulator.max_turns, spec.simulator.end_below) == (30, 9, 1)
+  rules = spec.simulator.user_rules(spec.eval)
+  assert (rules.start_emotion, rules.max_turns, rules.end_below) == (55, 4, 20)
+  assert (rules.clamp_change, rules.style, rules.max_parse_retries) == (True, "vanilla", 1)
+  users = SimulatedUsers.playing(load_demo_profiles()[:2], HistoryBackend(), rules)
+  assert [r.emotion for r in users.records] == [55, 55] and users.rules == rules

@@ -18,7 +18,7 @@ library fusions off (`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=`) keeps 
 (2) and makes (2) slower; only per-layer buffers avoid the copy, and only when attention reads each
 whole buffer: a static window slice of a per-layer buffer is copied too (the last two rows).
 
-  python benchmarks/layer_slice_copy.py [--window 4096] [--batch 8] [--reps 5]
+  python benchmarks/layer_slice_copy.py [--window 4096] [--batch 8] [--reps 5] [--part 0.75]
 """
 from __future__ import annotations
 
@@ -95,6 +95,7 @@ def main():
   ap.add_argument("--window", type=int, default=4096)
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--part", type=float, default=0.75, help="the partial window, a share of --window")
   args = ap.parse_args()
   B, W = args.batch, args.window
   r = np.random.default_rng(0)
@@ -108,7 +109,7 @@ def main():
   def per_layer(ks, vs, q):
     return sum(attend(q[l], ks[l], vs[l]).sum() for l in range(L))
 
-  part = 3 * W // 4  # a window of 3/4 of the slots, as a bucketed window over a partly filled cache
+  part = int(args.part * W)  # a partial window, as a bucketed window over a partly filled cache
 
   @jax.jit
   def per_layer_window(ks, vs, q):

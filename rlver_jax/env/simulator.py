@@ -72,25 +72,19 @@ class SimulatedUsers:
   """
 
   def __init__(self, profiles: Sequence[Profile], backend: SimulatorBackend, *,
-               style: str = "vanilla", start_emotion: int = 30, max_turns: int = 8,
-               max_parse_retries: int = 2, language_override: str | None = None,
-               groups: Sequence[int] | None = None, end_below: int = 1,
-               clamp_change: bool = True, score_guidance: bool = False,
-               info_flow: str = "chat", change_mode: str = "sampled"):
-    rules = UserRules(style=style, start_emotion=start_emotion, max_turns=max_turns,
-                      max_parse_retries=max_parse_retries, language_override=language_override,
-                      end_below=end_below, clamp_change=clamp_change, score_guidance=score_guidance,
-                      info_flow=info_flow, change_mode=change_mode)  # checks every rule
-    if change_mode == "expected" and not getattr(backend, "scores_changes", False):
+               groups: Sequence[int] | None = None, **rules):
+    self.rules = UserRules(**rules)  # the rules by name (see UserRules), each checked there
+    if self.rules.change_mode == "expected" and not getattr(backend, "scores_changes", False):
       raise ValueError(f"simulator.change_mode='expected' needs the co-located model backend "
                        f"(simulator.backend='model'): {backend.server()} gives no distribution "
                        "over the change values")
     self.profiles = list(profiles)
     self.backend = backend
-    self.rules = rules
-    self.info_flow = info_flow if backend.reads_context else "chat"  # the flow this backend can run
+    # The flow this backend can run.
+    self.info_flow = self.rules.info_flow if backend.reads_context else "chat"
     self.records = [
-        UserState(row=i, profile=p, language=language_override or p.language, emotion=start_emotion)
+        UserState(row=i, profile=p, language=self.rules.language_override or p.language,
+                  emotion=self.rules.start_emotion)
         for i, p in enumerate(self.profiles)
     ]
     self._leader = self._group_leaders(groups)

@@ -5,15 +5,23 @@ import pathlib
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
-# No persistent compilation cache in the test processes. One per process (every compile written,
-# later Trainers' programs loaded back) saved ~3 min of the suite, but two fresh-clone runs
-# segfaulted inside XLA:CPU's compile-and-serialize path of that cache (2026-12-02 in a cache write,
-# 2026-12-03 in `_compile_and_write_cache`), the only crashes the suite has had. Subprocess tests that
-# set JAX_COMPILATION_CACHE_DIR for their own few programs keep it.
+# Every Trainer jits its update step and old-log-prob pass anew (bound methods), so each tiny-world
+# run in a test process compiled the same programs again (~6 s a run). A persistent cache of this
+# process's own compilations makes each program compile once. It is set in-process only (not in
+# the environment): subprocess runs (CLI, multi-host, kill tests) compile as a user's run does.
+_XLA_CACHE = tempfile.mkdtemp(prefix="rlver_jax_test_xla_")
+atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # the tiny model's are ~0.1-5 s
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # Shared helpers (the tiny world, the GCS emulator, HF checkpoint builders) live in tests/fixtures;

@@ -27,8 +27,6 @@ step() {  # step NAME COMMAND...: run with a time limit, log to $OUT/NAME.txt, r
 }
 
 step floor "$PYTHON" decode_step_floor.py --models "$MODEL" --reps 3 --read-gib 1
-step floor_dsf env XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true \
-  "$PYTHON" decode_step_floor.py --models "$MODEL" --reps 3 --read-gib 1
 step scan_vs_loop "$PYTHON" layer_scan_vs_loop.py --model "$MODEL" --window "$WINDOW" --reps 10
 step scan_vs_loop_dsf env XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true \
   "$PYTHON" layer_scan_vs_loop.py --model "$MODEL" --window "$WINDOW" --reps 10

@@ -1,6 +1,7 @@
 """One decode step of the model's own decoder block two ways: a `lax.scan` over the stacked [L, ...]
 params (what the model runs; XLA:CPU and XLA:GPU copy each layer's weight slice out of the stack every
-step) and a Python loop over per-layer weight buffers (no slice to copy, a program L times longer).
+step), a Python loop over per-layer weight buffers (no slice to copy, a program L times longer), and
+the same loop over static slices of the stacked params (whether a static slice is copied too).
 
 Random weights of a named shape (model_shapes.py), batch `--batch`, one new token per row attending a
 `--window`-slot cache window; medians of `--reps` calls, the two ways interleaved.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 
 import _common  # noqa: F401  (JAX_PLATFORMS=cpu unless the caller set it)
 import jax
@@ -46,12 +48,12 @@ def main():
   masks = qwen2.BlockMask.over_cache_and_tokens(jnp.ones((B, 1, W), bool), jnp.ones((B, 1, 1), bool))
   block = functools.partial(qwen2._block, config=c, dtype=dtype)
 
-  def next_tokens(h):
+  def next_tokens(h, embed, final_norm):  # arguments, not closed-over constants XLA would fold
     h = qwen2.rms_norm(h, final_norm, c.rms_norm_eps)
     return jnp.argmax(jnp.einsum("btd,vd->btv", h, embed.astype(dtype)), -1)
 
   @jax.jit
-  def scanned(stacked, ck, cv):
+  def scanned(stacked, *rest):
     cos, sin = qwen2.rope_tables(positions, c.head_dim, c.rope_theta)
 
     def body(h, p_l):
@@ -59,33 +61,47 @@ def main():
       return block(h, p, cos, sin, masks, (ck[l], cv[l]))
     h, kv = jax.lax.scan(body, jnp.take(embed, tokens, axis=0).astype(dtype),
                          (stacked, jnp.arange(c.num_layers)))
-    return next_tokens(h), kv
+    return next_tokens(h, embed, final_norm), kv
 
   @jax.jit
-  def looped(per_layer, ck, cv):
+  def looped(per_layer, *rest):
     cos, sin = qwen2.rope_tables(positions, c.head_dim, c.rope_theta)
     h, kvs = jnp.take(embed, tokens, axis=0).astype(dtype), []
     for l, p in enumerate(per_layer):
       h, kv = block(h, p, cos, sin, masks, (ck[l], cv[l]))
       kvs.append(kv)
-    return next_tokens(h), kvs
+    return next_tokens(h, embed, final_norm), kvs
 
-  a, b = scanned(stacked, ck, cv), looped(per_layer, ck, cv)
-  same = bool((a[0] == b[0]).all())
-  t_scan, t_loop = [], []
+  @jax.jit
+  def static_sliced(stacked, *rest):  # does a static slice of the stack copy?
+    return looped([{k: v[l] for k, v in stacked.items()} for l in range(c.num_layers)], *rest)
+
+  rest = (ck, cv, embed, final_norm)
+  firsts = {}  # each way's first call (its compile), reported: an unrolled 28-layer program is slow to build
+  for name, fn, params in (("scan", scanned, stacked), ("per-layer", looped, per_layer),
+                           ("static slices", static_sliced, stacked)):
+    out, firsts[name] = timed(lambda: jax.block_until_ready(fn(params, *rest)))
+    print(f"{name}: first call {firsts[name]:.1f} s", file=sys.stderr, flush=True)
+  a, b, d = scanned(stacked, *rest), looped(per_layer, *rest), static_sliced(stacked, *rest)
+  same = bool((a[0] == b[0]).all()) and bool((a[0] == d[0]).all())
+  t_scan, t_loop, t_static = [], [], []
   for _ in range(args.reps):
-    t_scan.append(timed(lambda: jax.block_until_ready(scanned(stacked, ck, cv)))[1])
-    t_loop.append(timed(lambda: jax.block_until_ready(looped(per_layer, ck, cv)))[1])
+    t_scan.append(timed(lambda: jax.block_until_ready(scanned(stacked, *rest)))[1])
+    t_loop.append(timed(lambda: jax.block_until_ready(looped(per_layer, *rest)))[1])
+    t_static.append(timed(lambda: jax.block_until_ready(static_sliced(stacked, *rest)))[1])
   nbytes = sum(x.nbytes for x in jax.tree.leaves(stacked))
-  s, l = median(t_scan), median(t_loop)
+  s, l, st = median(t_scan), median(t_loop), median(t_static)
   print(f"Command: `{command_line()}`\n")
   print(machine_info() + "\n")
   print(f"{shape} {dtype.name}, batch {B}, window {W}, {c.num_layers} layers ({nbytes / 2**20:.0f} MiB of "
-        f"layer weights), medians of {args.reps} interleaved calls; same next tokens: {same}.\n")
+        f"layer weights), medians of {args.reps} interleaved calls; same next tokens: {same}; first calls "
+        f"(compile) {', '.join(f'{k} {v:.1f} s' for k, v in firsts.items())}.\n")
   print(table(["layers as", "ms per step", "layer weights / time, GB/s", "vs scan"],
               [["lax.scan over stacked params", f"{s * 1e3:.2f}", f"{nbytes / s / 1e9:.1f}", "1.00x"],
                ["loop over per-layer buffers", f"{l * 1e3:.2f}", f"{nbytes / l / 1e9:.1f}",
-                f"{s / l:.2f}x"]]))
+                f"{s / l:.2f}x"],
+               ["loop over static slices of the stack", f"{st * 1e3:.2f}", f"{nbytes / st / 1e9:.1f}",
+                f"{s / st:.2f}x"]]))
 
 
 if __name__ == "__main__":

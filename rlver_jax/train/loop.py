@@ -160,10 +160,11 @@ def _advance(bar, metrics: dict[str, float]) -> None:
                   step_s=f"{metrics['rollout_seconds'] + metrics['update_seconds']:.0f}")
 
 
-def _outputs(trainer: Trainer, stopped: bool) -> dict[str, str]:
+def _outputs(trainer: Trainer, stopped: bool) -> dict[str, str | None]:
   plot = trainer.writer.plot_rewards()
   trainer.writer.close()
   return {"metrics": str(trainer.writer.path), "checkpoints": str(trainer.checkpointer.directory),
-          "transcripts": str(trainer.writer.transcripts), "reward_plot": str(plot),
+          "transcripts": str(trainer.writer.transcripts),
+          "reward_plot": None if plot is None else str(plot),
           "tensorboard": f"{trainer.workdir}/tensorboard", "step": str(trainer.step),
           "outcome": "preempted" if stopped else "finished"}

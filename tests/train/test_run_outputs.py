@@ -134,7 +134,26 @@ def test_console_is_quiet_unless_asked_and_ends_with_a_summary(world, tmp_path):
 
 
 def test_summary_lines_without_transcripts(tmp_path):
-  paths = {"reward_plot": "R.png", "transcripts": str(tmp_path / "none"), "tensorboard": "TB"}
+  (tmp_path / "R.png").write_bytes(b"png")
+  paths = {"reward_plot": str(tmp_path / "R.png"), "transcripts": str(tmp_path / "none"),
+           "tensorboard": "TB"}
   lines = summary_lines([{"step": 1, "reward_mean": 0.25}], paths)
-  assert lines[0] == "reward (final emotion / 100): 0.250 after 1 step(s)"
-  assert not any("late dialogue" in l for l in lines)
+  assert lines == ["reward (final emotion / 100): 0.250 after 1 step(s)",
+                   f"reward plot:  {tmp_path / 'R.png'}"]
+
+
+def test_summary_lists_only_outputs_that_exist(tmp_path):
+  # A resumed run that had nothing left to train, with transcripts and TensorBoard off: the
+  # workdir holds metrics and checkpoints only (and the plot was not written).
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
+  (tmp_path / "checkpoints" / "1").mkdir(parents=True)
+  (tmp_path / "transcripts").mkdir()  # made, never written to
+  paths = {"reward_plot": None, "transcripts": str(tmp_path / "transcripts"),
+           "tensorboard": str(tmp_path / "tensorboard"), "metrics": str(tmp_path / "metrics.jsonl"),
+           "checkpoints": str(tmp_path / "checkpoints")}
+  lines = summary_lines([{"step": 1, "reward_mean": 0.5}], paths)
+  assert lines == ["reward (final emotion / 100): 0.500 after 1 step(s)",
+                   f"metrics:      {tmp_path / 'metrics.jsonl'}",
+                   f"checkpoints:  {tmp_path / 'checkpoints'}"]
+  (tmp_path / "checkpoints" / "1").rmdir()
+  assert summary_lines([], paths) == [f"metrics:      {tmp_path / 'metrics.jsonl'}"]

@@ -92,8 +92,6 @@ def main(argv):
     print(f"\nrun {outcome} at step {step}; outputs under {workdir}:")
     for line in summary_lines(history, paths):
       print(f"  {line}")
-    print(f"  metrics:      {paths['metrics']}")
-    print(f"  checkpoints:  {paths['checkpoints']}")
   if outcome == "preempted":  # a status of its own: a retry loop re-runs the command on it
     if jax.process_index() == 0:
       print(preempted_line(int(step), spec.total_steps), file=sys.stderr, flush=True)

@@ -140,8 +140,9 @@ def test_settings_across_sections_are_checked_by_the_run():
     dataclasses.replace(base, data=dataclasses.replace(base.data, num_holdout=0))
   with pytest.raises(ConfigError, match=r"config\.eval\.num_profiles=21"):
     dataclasses.replace(base, eval=dataclasses.replace(base.eval, num_profiles=21))
-  with pytest.raises(ConfigError, match=r"config\.total_steps"):
-    dataclasses.replace(base, total_steps=-1)
+  for steps in (-1, 0):  # zero would train nothing
+    with pytest.raises(ConfigError, match=rf"^config\.total_steps={steps}: must be >= 1"):
+      dataclasses.replace(base, total_steps=steps)
   ppo_think = RunSpec.from_config(_config("ppo_think"))
   with pytest.raises(ConfigError, match=r"config\.rl\.gamma=0\.99"):
     dataclasses.replace(ppo_think, rl=dataclasses.replace(ppo_think.rl, gamma=0.99))

@@ -6,7 +6,7 @@ import sys
 
 from absl import flags
 
-from rlver_jax.cli.console import quiet_library_logs
+from rlver_jax.cli.console import quiet_library_logs, skip_absent_tpu
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -17,7 +17,10 @@ def parse_flags(argv: list[str]) -> list[str]:
 
   ml_collections raises AttributeError from inside the parser for such a key, and wraps an error of
   get_config with its traceback into the flag error that absl prints.
+
+  First, on a machine without a TPU, jax is kept from starting libtpu (`console.skip_absent_tpu`).
   """
+  skip_absent_tpu()  # before any flag's value (or the config file) can start jax's backends
   try:
     rest = flags.FLAGS(argv)
   except (AttributeError, KeyError) as e:

@@ -174,6 +174,13 @@ def _parse_line(obj: Any) -> Profile:
                  first_talk=first_talk)
 
 
+def _json_problem(e: json.JSONDecodeError) -> str:
+  """json's message with its column, as one phrase: its messages are written to be followed by
+  ": line L column C", and some end in "at" ("Unterminated string starting at")."""
+  msg = e.msg.removesuffix(" at")
+  return f"{msg[:1].lower()}{msg[1:]} at column {e.colno}"
+
+
 def load_profiles(path: str | os.PathLike[str]) -> list[Profile]:
   """Reads and validates a profile JSONL file from a local path or gs://bucket/object.
 
@@ -193,7 +200,7 @@ def load_profiles(path: str | os.PathLike[str]) -> list[Profile]:
     try:
       profile = _parse_line(json.loads(line))
     except json.JSONDecodeError as e:
-      raise ProfileError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+      raise ProfileError(f"{path}:{lineno}: invalid JSON ({_json_problem(e)})") from None
     except ValueError as e:
       raise ProfileError(f"{path}:{lineno}: {e}") from None
     if profile.id in first_seen:

@@ -7,6 +7,7 @@ of the mesh at hand.
 from __future__ import annotations
 
 import json
+import logging
 
 import jax
 import orbax.checkpoint as ocp
@@ -44,9 +45,21 @@ def _manager(workdir: str) -> ocp.CheckpointManager:
   directory = epath.Path(workdir) / "checkpoints"
   if not directory.exists():
     raise ExportError(f"no checkpoints under {directory}")
-  options = ocp.CheckpointManagerOptions(read_only=True, create=False)
-  return ocp.CheckpointManager(directory, options=options, item_handlers={
-      "state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+  # save_interval_steps=0: what read_only implies anyway (orbax warns when it has to set it).
+  options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+  absl_logger = logging.getLogger("absl")  # orbax logs through absl
+  absl_logger.addFilter(_no_read_only_note)
+  try:
+    return ocp.CheckpointManager(directory, options=options, item_handlers={
+        "state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+  finally:
+    absl_logger.removeFilter(_no_read_only_note)
+
+
+def _no_read_only_note(record: logging.LogRecord) -> bool:
+  """Drops orbax's "Given directory is read only=DIR" for a manager opened read-only: the directory
+  is writable, only this reader will not write to it, and a user took the line for a problem."""
+  return record.msg != "Given directory is read only=%s"
 
 
 def pick_step(manager: ocp.CheckpointManager, step: int | None) -> int:

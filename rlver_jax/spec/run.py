@@ -79,7 +79,7 @@ class RunSpec:
 
   algo: str = "grpo"
   seed: int = 0
-  total_steps: int = 0
+  total_steps: int = 1
   policy: PolicySpec = PolicySpec()
   critic: CriticSpec = CriticSpec()
   simulator: SimulatorSpec = SimulatorSpec()
@@ -104,7 +104,9 @@ class RunSpec:
   def __post_init__(self):
     if self.algo not in ALGORITHMS:
       raise ConfigError(f"config.algo: unknown algorithm {self.algo!r} (expected grpo or ppo)")
-    require("total_steps", self.total_steps, self.total_steps >= 0, ">= 0")
+    # Zero would run nothing and end with a summary of outputs that were never written.
+    require("total_steps", self.total_steps, self.total_steps >= 1,
+            ">= 1 (the step the run trains up to, resumed steps included)")
     r, p = self.rl, self.policy
     problem = self.algorithm.config_problem(r)
     if problem:

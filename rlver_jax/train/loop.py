@@ -3,9 +3,13 @@ checkpoint, with periodic evaluation on held-out profiles; resume from the newes
 and a SIGTERM saves the last finished step (exit status 75, `train.preemption`).
 
 `run(config, workdir)` is the whole run behind `python -m rlver_jax.main`; the step itself is
-`train.trainer.Trainer.train_step`, the held-out evaluation `train.holdout`.
+`train.trainer.Trainer.train_step`, the held-out evaluation `train.holdout`. `Progress` shows the
+steps: a bar on a terminal (warnings printed above it), a plain line per step in a log file.
 """
 from __future__ import annotations
+
+import contextlib
+import sys
 
 import jax
 import ml_collections
@@ -55,10 +59,107 @@ def warn_about_step(trainer: Trainer, step: int) -> list[str]:
   return lines
 
 
-def _say(bar, line: str) -> None:
+class _AboveBar:
+  """stderr while the bar is drawn: each whole line written to it (a warning, a log record, the
+  preemption line) clears the bar, is written, and the bar is drawn again below it."""
+
+  def __init__(self, stream):
+    self._stream = stream
+    self._pending = ""
+
+  def write(self, text: str) -> int:
+    from tqdm import tqdm
+    with tqdm.get_lock():  # the bar's own lock: a watcher thread may write while the bar redraws
+      self._pending += text
+      done, newline, self._pending = self._pending.rpartition("\n")
+      if newline:
+        with tqdm.external_write_mode(file=self._stream, nolock=True):
+          self._stream.write(done + newline)
+          self._stream.flush()
+    return len(text)
+
+  def flush(self) -> None:
+    self._stream.flush()
+
+  def finish(self) -> None:
+    """Writes what is left of an unfinished line."""
+    if self._pending:
+      self.write("\n")
+
+  def __getattr__(self, name):  # fileno, isatty, encoding: the real stream's
+    return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _lines_above_bar(stream):
+  """Routes sys.stderr (Python warnings, direct writes) and absl's handler through `_AboveBar`."""
+  above = _AboveBar(stream)
+  handler = logging.get_absl_handler().python_handler
+  swap_handler = handler.stream is stream  # else it writes to a log file: left alone
+  sys.stderr = above
+  if swap_handler:
+    handler.stream = above  # the same object as sys.stderr, or absl writes each record twice
+  try:
+    yield
+  finally:
+    above.finish()
+    sys.stderr = stream
+    if swap_handler:
+      handler.stream = stream
+
+
+def _interactive(stream) -> bool:
+  """A terminal or a notebook (both redraw a line on a carriage return); not a log file or pipe."""
+  return stream.isatty() or type(stream).__module__.startswith("ipykernel")
+
+
+class Progress:
+  """The run's progress on stderr. On a terminal or in a notebook: a bar, with every stderr line
+  (warnings, log records) written above it. Elsewhere (stderr sent to a file): one plain line per
+  step, since the bar's carriage-return frames would fill the file. `enabled=False`: nothing."""
+
+  def __init__(self, total: int, initial: int, enabled: bool):
+    self._stream = sys.stderr
+    self._total, self._step, self._enabled = total, initial, enabled
+    self._bar = None
+    self._redirect = contextlib.ExitStack()
+    if enabled and _interactive(self._stream):
+      from tqdm import tqdm
+      self._bar = tqdm(total=total, initial=initial, desc="rlver", file=self._stream)
+      self._redirect.enter_context(_lines_above_bar(self._stream))
+
+  def step(self, metrics: dict[str, float]) -> None:
+    self._step += 1
+    fields = {"reward": f"{metrics['reward_mean']:.3f}",
+              "emotion": f"{metrics['final_emotion_mean']:.1f}",
+              "turns": f"{metrics['turns_mean']:.1f}",
+              "step_s": f"{metrics['rollout_seconds'] + metrics['update_seconds']:.0f}"}
+    if self._bar is not None:
+      self._bar.update(1)
+      self._bar.set_postfix(fields)
+    elif self._enabled:
+      values = " ".join(f"{k}={v}" for k, v in fields.items())
+      self._stream.write(f"rlver step {self._step}/{self._total}: {values}\n")
+      self._stream.flush()
+
+  def write(self, line: str) -> None:
+    """One line on stdout (above the bar, if any); printed even when the progress is off."""
+    if self._bar is not None:
+      from tqdm import tqdm
+      tqdm.write(line)
+    else:
+      print(line, flush=True)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+    self._redirect.close()
+
+
+def _say(progress: Progress, line: str) -> None:
   """One line on process 0, above the progress bar (printed even when the bar is off)."""
   if jax.process_index() == 0:
-    bar.write(line)
+    progress.write(line)
 
 
 def run(config: ml_collections.ConfigDict | RunSpec, workdir: str) -> dict[str, str]:
@@ -87,10 +188,9 @@ def _train(trainer: Trainer, guard: PreemptionGuard) -> dict[str, str]:
   """The steps from the restored one to total_steps. A SIGTERM polled mid-rollout or mid-evaluation
   (RolloutInterrupted) and a step that lost too many simulator requests end the same way: the last
   finished step is saved (step 0, the pretrained start, needs none) and the run stops."""
-  from tqdm import tqdm
   spec = trainer.spec
-  bar = tqdm(total=spec.total_steps, initial=trainer.step, desc="rlver",
-             disable=not spec.log.progress_bar or jax.process_index() != 0)
+  progress = Progress(spec.total_steps, trainer.step,
+                      enabled=spec.log.progress_bar and jax.process_index() == 0)
   stopped = False
   activity = ""  # what a SIGTERM interrupted, for its log line
   # finally: an error mid-run still completes the checkpoint saves already started (they are async).
@@ -99,7 +199,7 @@ def _train(trainer: Trainer, guard: PreemptionGuard) -> dict[str, str]:
       if evaluation_missing(trainer):
         # The step was saved, then its evaluation was cut short (a crash or SIGTERM): redo it.
         activity = f"the evaluation of step {trainer.step}"
-        _evaluate(trainer, guard, bar)
+        _evaluate(trainer, guard, progress)
       while trainer.step < spec.total_steps:
         activity = f"the rollout of step {trainer.step + 1}"
         # Polled between turns too: a rollout takes minutes and a preemption notice ~30 s.
@@ -111,8 +211,8 @@ def _train(trainer: Trainer, guard: PreemptionGuard) -> dict[str, str]:
         if is_evaluation_step(trainer, trainer.step):
           # Minutes long: a preemption notice (~30 s of grace) must not wait for its end.
           activity = f"the evaluation after step {trainer.step}"
-          _evaluate(trainer, guard, bar)
-        _advance(bar, metrics)
+          _evaluate(trainer, guard, progress)
+        progress.step(metrics)
     except (RolloutInterrupted, TooManySimulatorErrors) as e:
       with trainer.lock:
         if trainer.step > 0:  # the last finished step is kept (a no-op if it was just saved)
@@ -122,7 +222,7 @@ def _train(trainer: Trainer, guard: PreemptionGuard) -> dict[str, str]:
       logging.warning("SIGTERM during %s: saved step %d, exiting", activity, trainer.step)
       stopped = True
   finally:
-    bar.close()
+    progress.close()
     trainer.checkpointer.close()
   return _outputs(trainer, stopped)
 
@@ -146,24 +246,17 @@ def _record_step(trainer: Trainer, guard: PreemptionGuard, metrics: dict[str, fl
   return preempted
 
 
-def _evaluate(trainer: Trainer, guard: PreemptionGuard, bar) -> None:
+def _evaluate(trainer: Trainer, guard: PreemptionGuard, progress: Progress) -> None:
   scores, dialogues = evaluate_holdout(trainer, eval_key(trainer.spec.seed), guard.agreed)
   with trainer.lock:
-    _say(bar, write_evaluation(trainer, trainer.step, scores, dialogues))
+    _say(progress, write_evaluation(trainer, trainer.step, scores, dialogues))
 
 
-def _advance(bar, metrics: dict[str, float]) -> None:
-  bar.update(1)
-  bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
-                  emotion=f"{metrics['final_emotion_mean']:.1f}",
-                  turns=f"{metrics['turns_mean']:.1f}",
-                  step_s=f"{metrics['rollout_seconds'] + metrics['update_seconds']:.0f}")
-
-
-def _outputs(trainer: Trainer, stopped: bool) -> dict[str, str]:
+def _outputs(trainer: Trainer, stopped: bool) -> dict[str, str | None]:
   plot = trainer.writer.plot_rewards()
   trainer.writer.close()
   return {"metrics": str(trainer.writer.path), "checkpoints": str(trainer.checkpointer.directory),
-          "transcripts": str(trainer.writer.transcripts), "reward_plot": str(plot),
+          "transcripts": str(trainer.writer.transcripts),
+          "reward_plot": None if plot is None else str(plot),
           "tensorboard": f"{trainer.workdir}/tensorboard", "step": str(trainer.step),
           "outcome": "preempted" if stopped else "finished"}

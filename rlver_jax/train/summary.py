@@ -44,8 +44,16 @@ def late_excerpt(transcripts_dir: str) -> list[str]:
   return out
 
 
-def summary_lines(history: list[dict], paths: dict[str, str]) -> list[str]:
-  """The end-of-run summary from the metrics rows and the output paths of `train.run`."""
+def _exists(path: str | None, pattern: str | None = None) -> bool:
+  """Whether `path` exists (and holds a file matching `pattern`, when given)."""
+  if not path or not epath.Path(path).exists():
+    return False
+  return pattern is None or any(epath.Path(path).glob(pattern))
+
+
+def summary_lines(history: list[dict], paths: dict[str, str | None]) -> list[str]:
+  """The end-of-run summary from the metrics rows and the output paths of `train.run`; an output
+  the run did not write (no steps, transcripts or TensorBoard off) is not listed."""
   rewards = [r["reward_mean"] for r in history if r.get("reward_mean") is not None]
   out = []
   moved = reward_start_end(rewards)
@@ -55,8 +63,15 @@ def summary_lines(history: list[dict], paths: dict[str, str]) -> list[str]:
                f"{n} steps {last:.3f} ({last - first:+.3f}) over {len(rewards)} steps")
   elif rewards:
     out.append(f"reward (final emotion / 100): {rewards[-1]:.3f} after {len(rewards)} step(s)")
-  out.append(f"reward plot:  {paths['reward_plot']}")
-  out.append(f"transcripts:  {paths['transcripts']}/step_*.jsonl (one dialogue a line)")
-  out.append(f"TensorBoard:  tensorboard --logdir {paths['tensorboard']}  (scalars, held-out "
-             f"dialogues as text, emotion trajectories)")
-  return out + late_excerpt(paths["transcripts"])
+  if _exists(paths.get("reward_plot")):
+    out.append(f"reward plot:  {paths['reward_plot']}")
+  if _exists(paths.get("transcripts"), "step_*.jsonl"):
+    out.append(f"transcripts:  {paths['transcripts']}/step_*.jsonl (one dialogue a line)")
+  if _exists(paths.get("tensorboard"), "events.out.tfevents.*"):
+    out.append(f"TensorBoard:  tensorboard --logdir {paths['tensorboard']}  (scalars, held-out "
+               f"dialogues as text, emotion trajectories)")
+  if _exists(paths.get("metrics")):
+    out.append(f"metrics:      {paths['metrics']}")
+  if _exists(paths.get("checkpoints"), "*"):
+    out.append(f"checkpoints:  {paths['checkpoints']}")
+  return out + (late_excerpt(paths["transcripts"]) if paths.get("transcripts") else [])

@@ -68,6 +68,18 @@ def test_a_mistyped_config_argument_is_one_line():
       "known: runlocal" in lines[0] and "runloca'" in lines[0]
 
 
+def test_zero_total_steps_is_a_config_error(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-m", "rlver_jax.main", "--config=configs/grpo_think.py:runlocal",
+                         f"--workdir={tmp_path / 'run'}", "--config.total_steps=0"],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1 and proc.stdout == "", proc.stdout
+  assert proc.stderr.strip().splitlines() == [
+      "error: config.total_steps=0: must be >= 1 (the step the run trains up to, resumed steps "
+      "included)"], proc.stderr
+  assert list((tmp_path / "run").iterdir()) == []  # nothing written
+
+
 def test_a_gcs_workdir_is_checked_too(monkeypatch):
   pytest.importorskip("gcp_storage_emulator")
   pytest.importorskip("gcsfs")

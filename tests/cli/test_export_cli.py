@@ -130,14 +130,27 @@ def test_export_pretrained_over_its_own_source(run, tmp_path):
   np.testing.assert_array_equal(_logits(again), _logits(model))
 
 
-def _cli(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+def _cli(*args, env=None):
+  env = dict(os.environ, JAX_PLATFORMS="cpu") if env is None else env
   return subprocess.run([sys.executable, "-m", "rlver_jax.export", *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=600)
 
 
 def _last_line(proc) -> str:
   return [l for l in proc.stderr.strip().splitlines() if l.strip()][-1]
+
+
+def test_cli_prints_its_line_and_nothing_else(run, tmp_path):
+  # As a user runs it, without JAX_PLATFORMS: on a machine without a TPU no libtpu start-up lines
+  # (when libtpu is installed), and no orbax note that the run's checkpoints are "read only".
+  from jax._src import hardware_utils  # jax's own test for a TPU on the PCI bus
+  if hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0:
+    pytest.skip("a TPU is attached: libtpu starts here by design")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  proc = _cli(f"--workdir={run['workdir']}", f"--out={tmp_path / 'hf'}", env=env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout == f"exported step 2 of {run['workdir']} to {tmp_path / 'hf'}\n"
+  assert proc.stderr == ""
 
 
 def test_cli_refuses_to_overwrite(run, tmp_path):

@@ -78,6 +78,19 @@ def test_bad_line_names_file_and_line(tmp_path, bad, what):
   assert "\n" not in msg
 
 
+@pytest.mark.parametrize("bad,what", [
+    ('{"id": "p0", "player": "Sam', "invalid JSON (unterminated string starting at column 24)"),
+    ('{"id": "p0" "player": 1}', "invalid JSON (expecting ',' delimiter at column 13)"),
+    ('{"id": "p0"} x', "invalid JSON (extra data at column 14)"),
+])
+def test_invalid_json_reads_as_one_sentence(tmp_path, bad, what):
+  # json's own messages are written to be followed by ": line L column C" ("... starting at").
+  path = _write(tmp_path, [bad])
+  with pytest.raises(P.ProfileError) as info:
+    P.load_profiles(path)
+  assert str(info.value) == f"{path}:1: {what}"
+
+
 def test_duplicate_id_names_both_lines(tmp_path):
   path = _write(tmp_path, [json.dumps(_row(0)), json.dumps(_row(1)), json.dumps(_row(0))])
   with pytest.raises(P.ProfileError, match=r":3: duplicate id 'p0' \(first on line 1\)"):

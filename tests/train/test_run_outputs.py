@@ -108,16 +108,27 @@ def _main(args, xla_cache: pathlib.Path):
   # The second launch loads what the first compiled: this test is about the console, not compiles.
   env.update(JAX_COMPILATION_CACHE_DIR=str(xla_cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-  return subprocess.run([sys.executable, "-m", "rlver_jax.main", *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=900)
+  return _decoded(subprocess.run([sys.executable, "-m", "rlver_jax.main", *args], cwd=REPO, env=env,
+                                 capture_output=True, timeout=900))
+
+
+def _decoded(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+  """Its output as text, carriage returns kept (text=True would turn them into newlines)."""
+  proc.stdout, proc.stderr = proc.stdout.decode(), proc.stderr.decode()
+  return proc
 
 
 def test_console_is_quiet_unless_asked_and_ends_with_a_summary(world, tmp_path):
   cache = tmp_path.parent / f"{tmp_path.name}_xla"
-  flags = tiny_world.cli_flags(world, "grpo", str(tmp_path), 2, **{"log.transcripts_every": 1})
+  flags = tiny_world.cli_flags(world, "grpo", str(tmp_path), 2, **{"log.transcripts_every": 1,
+                                                                    "log.progress_bar": True})
   quiet = _main(flags, cache)
   assert quiet.returncode == 0, quiet.stderr[-3000:]
   assert not _LIBRARY_INFO.search(quiet.stderr), _LIBRARY_INFO.findall(quiet.stderr)[:3]
+  # stderr is a pipe here, as a log file would be: a line per step, no bar frames.
+  assert "\r" not in quiet.stderr
+  assert [l.split(":")[0] for l in quiet.stderr.splitlines() if l.startswith("rlver step")] == [
+      "rlver step 1/2", "rlver step 2/2"], quiet.stderr[-3000:]
   out = quiet.stdout
   assert "run finished at step 2" in out
   rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -134,7 +145,121 @@ def test_console_is_quiet_unless_asked_and_ends_with_a_summary(world, tmp_path):
 
 
 def test_summary_lines_without_transcripts(tmp_path):
-  paths = {"reward_plot": "R.png", "transcripts": str(tmp_path / "none"), "tensorboard": "TB"}
+  (tmp_path / "R.png").write_bytes(b"png")
+  paths = {"reward_plot": str(tmp_path / "R.png"), "transcripts": str(tmp_path / "none"),
+           "tensorboard": "TB"}
   lines = summary_lines([{"step": 1, "reward_mean": 0.25}], paths)
-  assert lines[0] == "reward (final emotion / 100): 0.250 after 1 step(s)"
-  assert not any("late dialogue" in l for l in lines)
+  assert lines == ["reward (final emotion / 100): 0.250 after 1 step(s)",
+                   f"reward plot:  {tmp_path / 'R.png'}"]
+
+
+def test_summary_lists_only_outputs_that_exist(tmp_path):
+  # A resumed run that had nothing left to train, with transcripts and TensorBoard off: the
+  # workdir holds metrics and checkpoints only (and the plot was not written).
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
+  (tmp_path / "checkpoints" / "1").mkdir(parents=True)
+  (tmp_path / "transcripts").mkdir()  # made, never written to
+  paths = {"reward_plot": None, "transcripts": str(tmp_path / "transcripts"),
+           "tensorboard": str(tmp_path / "tensorboard"), "metrics": str(tmp_path / "metrics.jsonl"),
+           "checkpoints": str(tmp_path / "checkpoints")}
+  lines = summary_lines([{"step": 1, "reward_mean": 0.5}], paths)
+  assert lines == ["reward (final emotion / 100): 0.500 after 1 step(s)",
+                   f"metrics:      {tmp_path / 'metrics.jsonl'}",
+                   f"checkpoints:  {tmp_path / 'checkpoints'}"]
+  (tmp_path / "checkpoints" / "1").rmdir()
+  assert summary_lines([], paths) == [f"metrics:      {tmp_path / 'metrics.jsonl'}"]
+
+
+# Two steps of a three-step run, as `python -m rlver_jax.main` runs them (absl's handler, Python's
+# warnings), with a Python warning, an absl warning and a direct stderr line (as the preemption
+# watcher writes) after the first.
+_PROGRESS = """
+import sys, warnings
+from absl import app, logging
+from rlver_jax.train.loop import Progress
+
+def main(_):
+  metrics = {"reward_mean": 0.25, "final_emotion_mean": 40.0, "turns_mean": 3.0,
+             "rollout_seconds": 10.0, "update_seconds": 2.0}
+  progress = Progress(3, 0, enabled=True)
+  progress.step(metrics)
+  warnings.warn("python warning")
+  logging.warning("absl warning")
+  sys.stderr.write("preempted at step 1 of 3; run the same command to resume\\n")
+  progress.step(metrics)
+  progress.close()
+  assert sys.stderr is sys.__stderr__
+
+app.run(main)
+"""
+
+
+def _run_progress(terminal: bool) -> str:
+  """The stderr of `_PROGRESS`, sent to a pipe or to a pseudo-terminal."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+  if not terminal:
+    proc = _decoded(subprocess.run([sys.executable, "-c", _PROGRESS], env=env, capture_output=True,
+                                   timeout=300))
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr
+  import fcntl
+  import pty
+  import termios
+  main, tty = pty.openpty()
+  fcntl.ioctl(tty, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new one is 0 wide
+  proc = subprocess.Popen([sys.executable, "-c", _PROGRESS], env=env, stderr=tty,
+                          stdout=subprocess.DEVNULL)
+  os.close(tty)
+  out = b""
+  while True:
+    try:
+      chunk = os.read(main, 4096)
+    except OSError:  # EIO: the child closed the terminal
+      break
+    if not chunk:
+      break
+    out += chunk
+  os.close(main)
+  assert proc.wait(timeout=300) == 0, out.decode()
+  return out.decode().replace("\r\n", "\n")  # the terminal's own newline translation
+
+
+def _screen(text: str) -> list[str]:
+  """The lines a terminal shows for `text`: a carriage return writes over the line from its start."""
+  lines = []
+  for line in text.split("\n"):
+    shown = ""
+    for part in line.split("\r"):
+      shown = part + shown[len(part):]
+    lines.append(shown.rstrip())
+  return lines
+
+
+def _messages(lines: list[str]) -> list[str]:
+  return [l for l in lines if "python warning" in l or "absl warning" in l or "preempted" in l]
+
+
+def test_progress_in_a_log_file_is_a_line_per_step_and_warnings_keep_their_lines():
+  out = _run_progress(terminal=False)
+  assert "\r" not in out, out  # no bar frames
+  lines = out.splitlines()
+  steps = [l for l in lines if l.startswith("rlver step")]
+  assert steps == ["rlver step 1/3: reward=0.250 emotion=40.0 turns=3.0 step_s=12",
+                   "rlver step 2/3: reward=0.250 emotion=40.0 turns=3.0 step_s=12"], out
+  messages = _messages(lines)
+  assert len(messages) == 3, out
+  assert messages[0].endswith("UserWarning: python warning")
+  assert messages[1].startswith("W") and messages[1].endswith("absl warning")
+  assert messages[2] == "preempted at step 1 of 3; run the same command to resume"
+
+
+def test_on_a_terminal_warnings_print_above_the_bar_on_lines_of_their_own():
+  screen = _screen(_run_progress(terminal=True))
+  messages = _messages(screen)
+  assert len(messages) == 3, screen
+  assert messages[0].endswith("UserWarning: python warning") and "rlver" not in messages[0]
+  assert messages[1].startswith("W") and messages[1].endswith("absl warning")
+  assert messages[2] == "preempted at step 1 of 3; run the same command to resume"
+  bars = [l for l in screen if l.startswith("rlver:")]
+  assert bars and bars[-1].startswith("rlver:  67%") and "2/3" in bars[-1], screen
+  assert screen.index(messages[-1]) < screen.index(bars[-1])  # the bar is drawn again below them

@@ -1,5 +1,6 @@
 """Orbax checkpoints under WORKDIR/checkpoints: save every N steps and at the end, keep K, resume
-from the newest one that restores (damaged newer ones are moved into checkpoints/damaged/).
+from the newest one that restores (damaged newer ones are moved into checkpoints/damaged/). A save
+that fails (a full disk) is one CheckpointNotSaved line naming the step and the intact one before.
 
 A checkpoint holds the array state (policy / critic params and optimizer states, RNG key) and a JSON
 item (step, profile-sampler state, config) so a resumed run continues exactly where it stopped.
@@ -15,10 +16,11 @@ from absl import logging
 from etils import epath
 
 from rlver_jax.parallel.process_zero import on_process_zero
+from rlver_jax.run import library_noise
+from rlver_jax.run.checkpoint_errors import (CheckpointNotSaved, NoRestorableCheckpoint, describe,
+                                             is_storage_error, no_restorable_line, not_saved_line)
 
-
-class NoRestorableCheckpoint(ValueError):
-  """Every checkpoint under the run's checkpoints/ folder failed to restore."""
+__all__ = ["Checkpointer", "CheckpointNotSaved", "NoRestorableCheckpoint", "abstract_like"]
 
 
 class Checkpointer:
@@ -31,8 +33,11 @@ class Checkpointer:
     # removes (a whole checkpoint's size, policy + critic + optimizer state).
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=True, cleanup_tmp_directories=True)
-    self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                         item_names=("state", "meta"))
+    with library_noise.reading_checkpoints():  # it reads each step's metadata, maybe damaged
+      self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                           item_names=("state", "meta"))
+    self._in_flight: int | None = None  # the step of an async save not yet known to have committed
+    library_noise.demote_library_tracebacks()
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -44,11 +49,17 @@ class Checkpointer:
     return step == total_steps or (self.every_steps > 0 and step % self.every_steps == 0)
 
   def save(self, step: int, state: Any, meta: dict) -> None:
-    """Asynchronous: arrays are copied off-device, then written while training continues."""
+    """Asynchronous: arrays are copied off-device, then written while training continues. A failure
+    of the previous save surfaces here (or in wait/close), as CheckpointNotSaved for its step."""
+    self.wait()
     if step in self.manager.all_steps():
       return
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    meta=ocp.args.JsonSave(meta)), force=True)
+    self._in_flight = step
+    try:
+      self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                      meta=ocp.args.JsonSave(meta)), force=True)
+    except Exception as e:
+      self._raise_not_saved(e)
 
   def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
     """Restores into the shardings of `abstract_state` (ShapeDtypeStructs with `.sharding`)."""
@@ -70,9 +81,11 @@ class Checkpointer:
     failed: list[tuple[int, str]] = []
     for step in steps:
       try:
-        state, meta = self.restore(abstract_state, step)
+        with library_noise.reading_checkpoints():
+          state, meta = self.restore(abstract_state, step)
       except Exception as e:  # orbax / tensorstore raise many kinds for a damaged file
-        failed.append((step, _first_line(e)))
+        logging.debug("restoring step %d", step, exc_info=e)
+        failed.append((step, describe(e)))
         continue
       for bad, why in failed:
         moved = on_process_zero(f"moving checkpoint {bad} aside", lambda: self._move_aside(bad))
@@ -84,11 +97,7 @@ class Checkpointer:
       return state, meta
     if not failed:
       return None
-    tried = ", ".join(str(s) for s, _ in failed)
-    raise NoRestorableCheckpoint(
-        f"{self.directory}: no checkpoint restores (tried steps {tried}; step {failed[0][0]}: "
-        f"{failed[0][1]}); nothing was moved: move {self.directory} aside to start over, or use a "
-        "new --workdir")
+    raise NoRestorableCheckpoint(no_restorable_line(str(self.directory), failed))
 
   def _move_aside(self, step: int) -> epath.Path:
     damaged = self.directory / "damaged"
@@ -111,18 +120,39 @@ class Checkpointer:
     return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:
+      self._raise_not_saved(e)
+    self._in_flight = None
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    try:
+      self.wait()
+    finally:
+      self.manager.close()
+
+  def _raise_not_saved(self, e: Exception) -> None:
+    """Re-raises `e` as one CheckpointNotSaved line if the storage failed (else as it is: a bug),
+    after removing the half-written step so nothing takes it for a checkpoint."""
+    step, self._in_flight = self._in_flight, None
+    if step is None or not is_storage_error(e):
+      raise e
+    if jax.process_index() == 0:
+      self._remove_partial(step)
+    earlier = max((s for s in self.manager.all_steps() if s != step), default=None)
+    raise CheckpointNotSaved(not_saved_line(step, str(self.directory / str(step)), e, earlier)) from e
+
+  def _remove_partial(self, step: int) -> None:
+    for path in [self.directory / str(step), *self.directory.glob(f"{step}.orbax-checkpoint-tmp*")]:
+      try:
+        if path.exists():
+          path.rmtree()
+      except OSError as e:  # orbax's cleanup_tmp_directories retries at the next start
+        logging.warning("could not remove the partial checkpoint %s: %s", path, e)
 
 
 def abstract_like(tree: Any) -> Any:
   """ShapeDtypeStructs carrying each array's sharding: the restore target for `tree`."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
-
-def _first_line(e: BaseException) -> str:
-  text = next((l.strip() for l in str(e).splitlines() if l.strip()), type(e).__name__)
-  return text if len(text) <= 200 else text[:197] + "..."

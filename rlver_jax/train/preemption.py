@@ -18,6 +18,8 @@ from typing import Callable
 
 import jax
 
+from rlver_jax.run.checkpoint_errors import CheckpointNotSaved, describe
+
 # EX_TEMPFAIL (sysexits.h): "try again later", what a retry loop should do.
 PREEMPTED_EXIT = 75
 _STOP = 0  # a byte no signal number takes: tells the watcher to end
@@ -94,10 +96,12 @@ class PreemptionGuard:
     return flag
 
 
-def wait_with_deadline(wait: Callable[[], None], deadline_s: float) -> bool:
-  """Runs `wait` (e.g. orbax's wait_until_finished) for at most `deadline_s`; True if it returned."""
+def wait_with_deadline(wait: Callable[[], None], deadline_s: float,
+                       errors: list[BaseException] | None = None) -> bool:
+  """Runs `wait` (e.g. orbax's wait_until_finished) for at most `deadline_s`; True if it returned.
+  What it raised, if anything, is appended to `errors`."""
   done = threading.Event()
-  errors: list[BaseException] = []
+  errors = [] if errors is None else errors
 
   def run():
     try:
@@ -126,12 +130,25 @@ def save_and_exit(trainer, total: int, deadline_s: float) -> None:
     with trainer.lock:
       if trainer.step == trainer.recorded_step:  # else the main thread is writing that step's row
         step = trainer.step
-        if step > 0:  # step 0 is the pretrained start: nothing to keep
-          trainer.save()
         line = preempted_line(step, total)
-        if step > 0 and not wait_with_deadline(trainer.checkpointer.wait, deadline_s):
-          kept = [s for s in trainer.checkpointer.all_steps() if s != step]
-          line += (f" (the checkpoint of step {step} did not commit within checkpoint.preempt_deadline_s"
-                   f"={deadline_s:g}; a resume starts from step {max(kept, default=0)})")
+        if step > 0:  # step 0 is the pretrained start: nothing to keep
+          line += _unsaved(trainer, step, deadline_s)
         exit_preempted(line)  # holding the lock: nothing changes the state any more
     time.sleep(0.02)
+
+
+def _unsaved(trainer, step: int, deadline_s: float) -> str:
+  """"" once the checkpoint of `step` committed, else why not and where a resume starts."""
+  errors: list[BaseException] = []
+  try:
+    trainer.save()  # also where an earlier save's failure surfaces
+    if wait_with_deadline(trainer.checkpointer.wait, deadline_s, errors):
+      return ""
+  except CheckpointNotSaved as e:
+    errors.append(e)
+  if errors and isinstance(errors[0], CheckpointNotSaved):  # already says what is intact
+    return f" ({errors[0]})"
+  kept = max((s for s in trainer.checkpointer.all_steps() if s != step), default=0)
+  why = (f"failed: {describe(errors[0])}" if errors else
+         f"did not commit within checkpoint.preempt_deadline_s={deadline_s:g}")
+  return f" (the checkpoint of step {step} {why}; a resume starts from step {kept})"

@@ -1,10 +1,14 @@
-"""SIGTERM is acted on at once, wherever the main thread is, and a commit wait is bounded."""
+"""SIGTERM is acted on at once, wherever the main thread is, a commit wait is bounded, and a commit
+that failed is named as such."""
 import hashlib
 import os
 import signal
 import threading
 import time
+import types
 
+from rlver_jax.run.checkpoint import CheckpointNotSaved
+from rlver_jax.train import preemption
 from rlver_jax.train.preemption import PreemptionGuard, wait_with_deadline
 
 
@@ -48,3 +52,42 @@ def test_the_watcher_ends_with_the_guard():
   with guard:
     assert len(alive()) == 1
   assert not alive()
+
+
+class _Trainer:
+  """What save_and_exit touches of a Trainer, with a checkpoint commit that fails as `wait` says."""
+
+  def __init__(self, wait):
+    self.lock, self.step, self.recorded_step = threading.RLock(), 3, 3
+    self.checkpointer = types.SimpleNamespace(wait=wait, all_steps=lambda: [2])
+
+  def save(self):
+    pass
+
+
+class _Exited(Exception):
+  pass
+
+
+def _exit_line(monkeypatch, trainer, deadline_s=5.0) -> str:
+  def exit_preempted(line):  # the real one ends the process: it never returns
+    raise _Exited(line)
+  monkeypatch.setattr(preemption, "exit_preempted", exit_preempted)
+  try:
+    preemption.save_and_exit(trainer, 5, deadline_s)
+  except _Exited as e:
+    return str(e)
+  raise AssertionError("save_and_exit returned")
+
+
+def test_a_failed_commit_on_sigterm_is_named_not_taken_for_a_timeout(monkeypatch):
+  full = CheckpointNotSaved("disk full while saving the checkpoint of step 3 to /w/checkpoints/3 (No "
+                            "space left on device); the checkpoint of step 2 is intact; free space "
+                            "and run the same command to resume")
+  def wait():
+    raise full
+  line = _exit_line(monkeypatch, _Trainer(wait))
+  assert line == f"preempted at step 3 of 5; run the same command to resume ({full})"
+  slow = _exit_line(monkeypatch, _Trainer(lambda: time.sleep(3)), deadline_s=0.2)
+  assert slow == ("preempted at step 3 of 5; run the same command to resume (the checkpoint of step 3 "
+                  "did not commit within checkpoint.preempt_deadline_s=0.2; a resume starts from step 2)")

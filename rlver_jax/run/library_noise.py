@@ -1,0 +1,98 @@
+"""Keeps orbax's and TensorStore's echoes of a failed save or restore off the console.
+
+Orbax logs each failure with its traceback from the thread where it happened, then raises it to
+the caller, where `run.checkpoint` names it in one line. A failed restore also leaves reads in
+flight: they finish after orbax closed their event loop, and Python prints each as an ignored
+exception ("Event loop is closed", a dropped `_read_array_index_and_device_put` coroutine),
+hundreds of tracebacks, some after the process's last line. All of it goes to debug logging
+instead (--verbosity=1 shows it); anything else passes through untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+
+import orbax.checkpoint
+import tensorstore
+
+_LIBRARIES = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                   for m in (orbax.checkpoint, tensorstore))
+_log = logging.getLogger(__name__)
+
+
+def _in_library(path: str) -> bool:
+  return os.path.abspath(path).startswith(_LIBRARIES)
+
+
+def _raised_in_library(exc_info) -> bool:
+  tb = exc_info[2] if isinstance(exc_info, tuple) else None
+  while tb is not None and tb.tb_next is not None:
+    tb = tb.tb_next
+  return tb is not None and _in_library(tb.tb_frame.f_code.co_filename)
+
+
+class _Demote(logging.Filter):
+  """Debug records instead: orbax's records that carry a traceback, asyncio's about an exception
+  raised in orbax or TensorStore (a read task nobody awaited after a failed restore), and inside
+  `reading_checkpoints` all of orbax's (a damaged checkpoint makes it log errors it then raises)."""
+
+  def __init__(self):
+    super().__init__()
+    self.restoring = 0
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.name == "asyncio":
+      echo = self.restoring or _raised_in_library(record.exc_info)
+    else:
+      echo = _in_library(record.pathname) and (record.exc_info or self.restoring)
+    if not echo:
+      return True
+    record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+    return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+_FILTER = _Demote()
+
+
+def demote_library_tracebacks() -> None:
+  """Idempotent; orbax logs through absl's logger."""
+  for name in ("absl", "asyncio"):
+    logger = logging.getLogger(name)
+    if _FILTER not in logger.filters:
+      logger.addFilter(_FILTER)
+
+
+def _is_restore_debris(u) -> bool:
+  if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
+    return True
+  code = getattr(u.object, "cr_code", None)  # a coroutine dropped with its read still pending
+  return code is not None and _in_library(code.co_filename)
+
+
+def _filter_unraisable() -> None:
+  """Idempotent. It stays installed: the debris keeps coming until the process ends."""
+  previous = sys.unraisablehook
+  if getattr(previous, "restore_debris_filter", False):
+    return
+
+  def hook(u):
+    if _is_restore_debris(u):
+      _log.debug("after a failed checkpoint restore: %s in %r", u.exc_value, u.object)
+    else:
+      previous(u)
+  hook.restore_debris_filter = True
+  sys.unraisablehook = hook
+
+
+@contextlib.contextmanager
+def reading_checkpoints():
+  """Around reading checkpoints that may be damaged: their failures are raised and reported."""
+  demote_library_tracebacks()
+  _filter_unraisable()
+  _FILTER.restoring += 1
+  try:
+    yield
+  finally:
+    _FILTER.restoring -= 1

@@ -6,7 +6,8 @@ Re-running the same command resumes from WORKDIR/checkpoints. Config values are 
 --config.KEY=VALUE (see configs/base.py for every key).
 
 Exit status: 0 finished; 75 preempted (SIGTERM: the last finished step was saved, run the same
-command to resume); 1 an error, named in one line.
+command to resume); 1 an error, named in one line (also a --workdir that another run is using,
+or one that holds files but is not a run's).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from ml_collections import config_flags  # noqa: E402
 from rlver_jax.parallel import distributed  # noqa: E402
 from rlver_jax.cli.errors import exit_on  # noqa: E402
 from rlver_jax.run.workdir import check_workdir, new_run_dir  # noqa: E402
+from rlver_jax.run.workdir_lock import LOCK_FILE, lock_workdir  # noqa: E402
 from rlver_jax.train.preemption import PREEMPTED_EXIT, preempted_line  # noqa: E402
 from rlver_jax.cli.flags import parse_flags  # noqa: E402
 
@@ -58,6 +60,8 @@ def _default_workdir() -> str:
 def _remove_if_empty(path: str) -> None:
   """A default workdir made for a run that failed before writing anything is not left behind."""
   try:
+    if os.listdir(path) == [LOCK_FILE]:  # ours: the run holds it until it exits
+      os.remove(os.path.join(path, LOCK_FILE))
     os.rmdir(path)
   except OSError:  # not empty (or already gone): keep what the run wrote
     pass
@@ -70,12 +74,14 @@ def main(argv):
   from rlver_jax.train import loop  # after distributed init: imports may touch devices
   from rlver_jax.spec import RunSpec
   from rlver_jax.env.backends import SimulatorBackendError
-  from rlver_jax.parallel.process_zero import ProcessZeroError
+  from rlver_jax.parallel.process_zero import ProcessZeroError, on_process_zero
   from rlver_jax.models.io import storage
   storage.point_clients_at_emulator()
   workdir = _WORKDIR.value or _default_workdir()
   try:
     check_workdir(workdir)  # before any model loads
+    # Held until the process ends (never released: the kernel does it, also on kill -9).
+    lock = on_process_zero(f"locking --workdir={workdir}", lambda: lock_workdir(workdir))  # noqa: F841
     spec = RunSpec.from_config(_CONFIG.value)  # checks every setting, also those used late
     paths = loop.run(spec, workdir)
   # Bad input, an unwritable workdir, a simulator that cannot answer within its retry bound (on any

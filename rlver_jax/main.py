@@ -6,8 +6,9 @@ Re-running the same command resumes from WORKDIR/checkpoints. Config values are 
 --config.KEY=VALUE (see configs/base.py for every key).
 
 Exit status: 0 finished; 75 preempted (SIGTERM: the last finished step was saved, run the same
-command to resume); 1 an error, named in one line (also a --workdir that another run is using,
-or one that holds files but is not a run's).
+command to resume); 130 interrupted (Ctrl-C: the same, and a second Ctrl-C exits at once, keeping
+every checkpoint already written); 1 an error, named in one line (also a --workdir that another run
+is using, or one that holds files but is not a run's).
 """
 from __future__ import annotations
 
@@ -16,16 +17,19 @@ import signal
 import sys
 
 
-def _preempted_while_starting(*_):
-  sys.stderr.write("preempted while starting; run the same command to resume\n")
+def _stopped_while_starting(signum, _frame):
+  what = "interrupted" if signum == signal.SIGINT else "preempted"
+  sys.stderr.write(f"{what} while starting; run the same command to resume\n")
   sys.stderr.flush()
   # os._exit, not sys.exit: the handler runs inside whatever import is under way, and a SystemExit
   # raised there can be caught by it (a run went on training after this line). Nothing to save yet.
-  os._exit(75)  # preemption.PREEMPTED_EXIT (that module imports jax, which is what takes time here)
+  # preemption.exit_status's values (that module imports jax, which is what takes time here).
+  os._exit(128 + signal.SIGINT if signum == signal.SIGINT else 75)
 
 
 if __name__ == "__main__":  # until the trainer's own handler takes over: nothing to save yet
-  signal.signal(signal.SIGTERM, _preempted_while_starting)
+  signal.signal(signal.SIGINT, _stopped_while_starting)  # not a KeyboardInterrupt from inside jax
+  signal.signal(signal.SIGTERM, _stopped_while_starting)
 
 import datetime  # noqa: E402
 
@@ -37,7 +41,7 @@ from rlver_jax.parallel import distributed  # noqa: E402
 from rlver_jax.cli.errors import exit_on  # noqa: E402
 from rlver_jax.run.workdir import check_workdir, new_run_dir  # noqa: E402
 from rlver_jax.run.workdir_lock import LOCK_FILE, lock_workdir  # noqa: E402
-from rlver_jax.train.preemption import PREEMPTED_EXIT, preempted_line  # noqa: E402
+from rlver_jax.train.preemption import exit_status, preempted_line  # noqa: E402
 from rlver_jax.cli.flags import parse_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/grpo_think.py.",
@@ -83,7 +87,7 @@ def main(argv):
     # Held until the process ends (never released: the kernel does it, also on kill -9).
     lock = on_process_zero(f"locking --workdir={workdir}", lambda: lock_workdir(workdir))  # noqa: F841
     spec = RunSpec.from_config(_CONFIG.value)  # checks every setting, also those used late
-    paths = loop.run(spec, workdir)
+    paths = loop.run(spec, workdir, ctrl_c=True)
   # Bad input, an unwritable workdir, a simulator that cannot answer within its retry bound (on any
   # host), or a diverged update: one line, non-zero exit (--verbosity=1 logs the traceback).
   except (ValueError, OSError, SimulatorBackendError, ProcessZeroError, loop.TrainingDiverged) as e:
@@ -100,10 +104,11 @@ def main(argv):
       print(f"  {line}")
     print(f"  metrics:      {paths['metrics']}")
     print(f"  checkpoints:  {paths['checkpoints']}")
-  if outcome == "preempted":  # a status of its own: a retry loop re-runs the command on it
+  if outcome != "finished":  # a status of its own: a retry loop re-runs the command on 75
+    signum = signal.SIGINT if outcome == "interrupted" else signal.SIGTERM
     if jax.process_index() == 0:
-      print(preempted_line(int(step), spec.total_steps), file=sys.stderr, flush=True)
-    sys.exit(PREEMPTED_EXIT)
+      print(preempted_line(int(step), spec.total_steps, signum), file=sys.stderr, flush=True)
+    sys.exit(exit_status(signum))
 
 
 if __name__ == "__main__":

@@ -48,3 +48,12 @@ def test_the_watcher_ends_with_the_guard():
   with guard:
     assert len(alive()) == 1
   assert not alive()
+
+
+def test_ctrl_c_is_left_to_python_unless_asked_for():
+  # In a notebook an interrupt must stay a KeyboardInterrupt: the kernel lives on.
+  with PreemptionGuard():
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  with PreemptionGuard(ctrl_c=True):
+    assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

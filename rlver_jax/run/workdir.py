@@ -68,6 +68,8 @@ def check_is_a_run(workdir: str) -> None:
   write into (and rotate checkpoints in) someone else's folder, e.g. a model's."""
   try:
     names = sorted(p.name for p in epath.Path(workdir).iterdir())
+  except FileNotFoundError:  # a gs:// prefix with no objects: GCS has no empty folders
+    names = []
   except OSError as e:
     raise ValueError(f"--workdir={workdir}: cannot be listed ({_reason(e)})") from None
   if any(n in RUN_MARKERS for n in names):

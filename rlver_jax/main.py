@@ -6,7 +6,9 @@ Re-running the same command resumes from WORKDIR/checkpoints. Config values are 
 --config.KEY=VALUE (see configs/base.py for every key).
 
 Exit status: 0 finished; 75 preempted (SIGTERM: the last finished step was saved, run the same
-command to resume); 1 an error, named in one line.
+command to resume); 130 interrupted (Ctrl-C: the same, and a second Ctrl-C exits at once, keeping
+every checkpoint already written); 1 an error, named in one line (also a --workdir that another run
+is using, or one that holds files but is not a run's).
 """
 from __future__ import annotations
 
@@ -15,16 +17,19 @@ import signal
 import sys
 
 
-def _preempted_while_starting(*_):
-  sys.stderr.write("preempted while starting; run the same command to resume\n")
+def _stopped_while_starting(signum, _frame):
+  what = "interrupted" if signum == signal.SIGINT else "preempted"
+  sys.stderr.write(f"{what} while starting; run the same command to resume\n")
   sys.stderr.flush()
   # os._exit, not sys.exit: the handler runs inside whatever import is under way, and a SystemExit
   # raised there can be caught by it (a run went on training after this line). Nothing to save yet.
-  os._exit(75)  # preemption.PREEMPTED_EXIT (that module imports jax, which is what takes time here)
+  # preemption.exit_status's values (that module imports jax, which is what takes time here).
+  os._exit(128 + signal.SIGINT if signum == signal.SIGINT else 75)
 
 
 if __name__ == "__main__":  # until the trainer's own handler takes over: nothing to save yet
-  signal.signal(signal.SIGTERM, _preempted_while_starting)
+  signal.signal(signal.SIGINT, _stopped_while_starting)  # not a KeyboardInterrupt from inside jax
+  signal.signal(signal.SIGTERM, _stopped_while_starting)
 
 import datetime  # noqa: E402
 
@@ -35,7 +40,8 @@ from ml_collections import config_flags  # noqa: E402
 from rlver_jax.parallel import distributed  # noqa: E402
 from rlver_jax.cli.errors import exit_on  # noqa: E402
 from rlver_jax.run.workdir import check_workdir, new_run_dir  # noqa: E402
-from rlver_jax.train.preemption import PREEMPTED_EXIT, preempted_line  # noqa: E402
+from rlver_jax.run.workdir_lock import LOCK_FILE, lock_workdir  # noqa: E402
+from rlver_jax.train.preemption import exit_status, preempted_line  # noqa: E402
 from rlver_jax.cli.flags import parse_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/grpo_think.py.",
@@ -58,6 +64,8 @@ def _default_workdir() -> str:
 def _remove_if_empty(path: str) -> None:
   """A default workdir made for a run that failed before writing anything is not left behind."""
   try:
+    if os.listdir(path) == [LOCK_FILE]:  # ours: the run holds it until it exits
+      os.remove(os.path.join(path, LOCK_FILE))
     os.rmdir(path)
   except OSError:  # not empty (or already gone): keep what the run wrote
     pass
@@ -70,14 +78,16 @@ def main(argv):
   from rlver_jax.train import loop  # after distributed init: imports may touch devices
   from rlver_jax.spec import RunSpec
   from rlver_jax.env.backends import SimulatorBackendError
-  from rlver_jax.parallel.process_zero import ProcessZeroError
+  from rlver_jax.parallel.process_zero import ProcessZeroError, on_process_zero
   from rlver_jax.models.io import storage
   storage.point_clients_at_emulator()
   workdir = _WORKDIR.value or _default_workdir()
   try:
     check_workdir(workdir)  # before any model loads
     spec = RunSpec.from_config(_CONFIG.value)  # checks every setting, also those used late
-    paths = loop.run(spec, workdir)
+    # Held until the process ends (never released: the kernel does it, also on kill -9).
+    lock = on_process_zero(f"locking --workdir={workdir}", lambda: lock_workdir(workdir))  # noqa: F841
+    paths = loop.run(spec, workdir, ctrl_c=True)
   # Bad input, an unwritable workdir, a simulator that cannot answer within its retry bound (on any
   # host), or a diverged update: one line, non-zero exit (--verbosity=1 logs the traceback).
   except (ValueError, OSError, SimulatorBackendError, ProcessZeroError, loop.TrainingDiverged) as e:
@@ -92,10 +102,11 @@ def main(argv):
     print(f"\nrun {outcome} at step {step}; outputs under {workdir}:")
     for line in summary_lines(history, paths):
       print(f"  {line}")
-  if outcome == "preempted":  # a status of its own: a retry loop re-runs the command on it
+  if outcome != "finished":  # a status of its own: a retry loop re-runs the command on 75
+    signum = signal.SIGINT if outcome == "interrupted" else signal.SIGTERM
     if jax.process_index() == 0:
-      print(preempted_line(int(step), spec.total_steps), file=sys.stderr, flush=True)
-    sys.exit(PREEMPTED_EXIT)
+      print(preempted_line(int(step), spec.total_steps, signum), file=sys.stderr, flush=True)
+    sys.exit(exit_status(signum))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ import os
 
 from etils import epath
 
+from rlver_jax.run.workdir_lock import LOCK_FILE
+
 
 def replace_text(path: epath.Path, text: str) -> None:
   """Writes `text` to `path` so that a kill mid-write leaves the old file: a renamed temp file
@@ -32,8 +34,9 @@ def new_run_dir(parent: str, stem: str) -> str:
 
 
 def check_workdir(workdir: str) -> None:
-  """Fails with one line naming --workdir unless `workdir` is (or can be made) a writable directory:
-  checked before any model loads (minutes at 7B/72B), not when the first file is written."""
+  """Fails with one line naming --workdir unless `workdir` is (or can be made) a writable directory
+  that is empty or a run's own: checked before any model loads (minutes at 7B/72B), not when the
+  first file is written."""
   path = epath.Path(workdir)
   try:
     if path.exists() and not path.is_dir():
@@ -47,6 +50,35 @@ def check_workdir(workdir: str) -> None:
     probe.unlink()
   except OSError as e:
     raise ValueError(f"--workdir={workdir}: is not writable ({_reason(e)})") from None
+  check_is_a_run(workdir)
+
+
+# What a run writes first (the lock before anything else; checkpoints/ and metrics.jsonl also by
+# runs older than the lock), and the temp files of its replace_text writes cut short: any of them
+# marks a run's own workdir, which a resume reuses.
+RUN_MARKERS = (LOCK_FILE, "provenance.json", "metrics.jsonl", "checkpoints", "provenance.json.tmp",
+               "metrics.jsonl.tmp", "config.json.tmp")
+# Left by this check itself, check_shared_workdir (killed mid-check, or another host's in flight),
+# or a fresh filesystem: not content.
+_NOT_CONTENT = (".write-check-", ".shared-check-", "lost+found")
+
+
+def check_is_a_run(workdir: str) -> None:
+  """Fails with one line naming --workdir if it holds files but none a run writes: a run would
+  write into (and rotate checkpoints in) someone else's folder, e.g. a model's."""
+  try:
+    names = sorted(p.name for p in epath.Path(workdir).iterdir())
+  except FileNotFoundError:  # a gs:// prefix with no objects: GCS has no empty folders
+    names = []
+  except OSError as e:
+    raise ValueError(f"--workdir={workdir}: cannot be listed ({_reason(e)})") from None
+  if any(n in RUN_MARKERS for n in names):
+    return
+  found = [n for n in names if not n.startswith(_NOT_CONTENT)]
+  if found:
+    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    raise ValueError(f"--workdir={workdir}: holds files but is not a run's workdir ({shown}); "
+                     "use a new or empty directory")
 
 
 def _reason(e: OSError) -> str:

@@ -1,6 +1,6 @@
 """The RLVER training loop: profiles -> rollout -> rewards -> advantages -> fused update -> metrics ->
 checkpoint, with periodic evaluation on held-out profiles; resume from the newest good checkpoint,
-and a SIGTERM saves the last finished step (exit status 75, `train.preemption`).
+and a SIGTERM or Ctrl-C saves the last finished step (exit status 75 or 130, `train.preemption`).
 
 `run(config, workdir)` is the whole run behind `python -m rlver_jax.main`; the step itself is
 `train.trainer.Trainer.train_step`, the held-out evaluation `train.holdout`. `Progress` shows the
@@ -9,6 +9,7 @@ steps: a bar on a terminal (warnings printed above it), a plain line per step in
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 
 import jax
@@ -21,7 +22,7 @@ from rlver_jax.env.simulator import SIMULATOR_ERROR
 from rlver_jax.spec import RunSpec
 from rlver_jax.train.holdout import (eval_key, evaluate_holdout, evaluation_missing,
                                      is_evaluation_step, write_evaluation)
-from rlver_jax.train.preemption import PreemptionGuard, exit_preempted, save_and_exit
+from rlver_jax.train.preemption import PreemptionGuard, exit_stopped, save_and_exit
 from rlver_jax.train.step_warnings import step_warnings
 from rlver_jax.train.trainer import TooManySimulatorErrors, Trainer
 
@@ -162,21 +163,24 @@ def _say(progress: Progress, line: str) -> None:
     progress.write(line)
 
 
-def run(config: ml_collections.ConfigDict | RunSpec, workdir: str) -> dict[str, str]:
-  """Trains until config.total_steps (resuming from WORKDIR/checkpoints) or a SIGTERM; returns
-  output paths, the step reached and `outcome` ("finished" or "preempted").
+def run(config: ml_collections.ConfigDict | RunSpec, workdir: str, *,
+        ctrl_c: bool = False) -> dict[str, str]:
+  """Trains until config.total_steps (resuming from WORKDIR/checkpoints) or a SIGTERM (or, with
+  `ctrl_c`, a SIGINT); returns output paths, the step reached and `outcome` ("finished",
+  "preempted" or "interrupted").
 
   `config` is the run's spec, or its ConfigDict (notebooks, tests), turned into the spec here first:
   a bad setting fails before anything loads."""
   spec = config if isinstance(config, RunSpec) else RunSpec.from_config(config)
   total = spec.total_steps
-  guard = PreemptionGuard()  # entered before the models load: a SIGTERM then is a preemption too
+  guard = PreemptionGuard(ctrl_c)  # entered before the models load: a signal then stops the run too
   started: list[Trainer] = []
   if jax.process_count() == 1:  # several hosts stop together at a polled point (the save is collective)
     guard.on_signal = lambda: (
-        save_and_exit(started[0], total, spec.checkpoint.preempt_deadline_s) if started else
-        exit_preempted(f"preempted while starting, before step 1 of {total} could run; run the same "
-                       "command to resume"))
+        save_and_exit(started[0], total, spec.checkpoint.preempt_deadline_s, guard.signum)
+        if started else
+        exit_stopped(f"{_stopped(guard)} while starting, before step 1 of {total} could run; run the "
+                     "same command to resume", guard.signum))
   with guard:
     trainer = Trainer(spec, workdir)
     trainer.restore_if_any()
@@ -185,14 +189,14 @@ def run(config: ml_collections.ConfigDict | RunSpec, workdir: str) -> dict[str, 
 
 
 def _train(trainer: Trainer, guard: PreemptionGuard) -> dict[str, str]:
-  """The steps from the restored one to total_steps. A SIGTERM polled mid-rollout or mid-evaluation
+  """The steps from the restored one to total_steps. A signal polled mid-rollout or mid-evaluation
   (RolloutInterrupted) and a step that lost too many simulator requests end the same way: the last
   finished step is saved (step 0, the pretrained start, needs none) and the run stops."""
   spec = trainer.spec
   progress = Progress(spec.total_steps, trainer.step,
                       enabled=spec.log.progress_bar and jax.process_index() == 0)
   stopped = False
-  activity = ""  # what a SIGTERM interrupted, for its log line
+  activity = ""  # what a signal interrupted, for its log line
   # finally: an error mid-run still completes the checkpoint saves already started (they are async).
   try:
     try:
@@ -205,7 +209,7 @@ def _train(trainer: Trainer, guard: PreemptionGuard) -> dict[str, str]:
         # Polled between turns too: a rollout takes minutes and a preemption notice ~30 s.
         metrics = trainer.train_step(should_stop=guard.agreed)
         if _record_step(trainer, guard, metrics):
-          logging.warning("SIGTERM: saved step %d, exiting", trainer.step)
+          logging.warning("%s: saved step %d, exiting", _signal_name(guard), trainer.step)
           stopped = True
           break
         if is_evaluation_step(trainer, trainer.step):
@@ -219,17 +223,18 @@ def _train(trainer: Trainer, guard: PreemptionGuard) -> dict[str, str]:
           trainer.save()
       if isinstance(e, TooManySimulatorErrors):  # the failed step is redone by the next run
         raise
-      logging.warning("SIGTERM during %s: saved step %d, exiting", activity, trainer.step)
+      logging.warning("%s during %s: saved step %d, exiting", _signal_name(guard), activity,
+                      trainer.step)
       stopped = True
   finally:
     progress.close()
     trainer.checkpointer.close()
-  return _outputs(trainer, stopped)
+  return _outputs(trainer, _stopped(guard) if stopped else "finished")
 
 
 def _record_step(trainer: Trainer, guard: PreemptionGuard, metrics: dict[str, float]) -> bool:
-  """Writes the finished step's metrics (and transcripts), saves it when due or on a SIGTERM;
-  returns whether a SIGTERM asks the run to stop."""
+  """Writes the finished step's metrics (and transcripts), saves it when due or on a stop signal;
+  returns whether a stop signal asks the run to stop."""
   step, every = trainer.step, trainer.spec.log.transcripts_every
   with trainer.lock:
     trainer.writer.write(step, metrics)
@@ -252,11 +257,19 @@ def _evaluate(trainer: Trainer, guard: PreemptionGuard, progress: Progress) -> N
     _say(progress, write_evaluation(trainer, trainer.step, scores, dialogues))
 
 
-def _outputs(trainer: Trainer, stopped: bool) -> dict[str, str | None]:
+def _stopped(guard: PreemptionGuard) -> str:
+  return "interrupted" if guard.signum == signal.SIGINT else "preempted"
+
+
+def _signal_name(guard: PreemptionGuard) -> str:
+  return signal.Signals(guard.signum or signal.SIGTERM).name
+
+
+def _outputs(trainer: Trainer, outcome: str) -> dict[str, str | None]:
   plot = trainer.writer.plot_rewards()
   trainer.writer.close()
   return {"metrics": str(trainer.writer.path), "checkpoints": str(trainer.checkpointer.directory),
           "transcripts": str(trainer.writer.transcripts),
           "reward_plot": None if plot is None else str(plot),
           "tensorboard": f"{trainer.workdir}/tensorboard", "step": str(trainer.step),
-          "outcome": "preempted" if stopped else "finished"}
+          "outcome": outcome}

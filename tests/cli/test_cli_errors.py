@@ -96,3 +96,8 @@ def test_a_gcs_workdir_is_checked_too(monkeypatch):
     assert gcs_emulator.names(gcs_emulator.client(url), "gs://rlver-check/runs") == []  # probe removed
     with pytest.raises(ValueError, match=r"^--workdir=gs://no-such-bucket-here/x: (cannot be created|is not writable)"):
       check_workdir("gs://no-such-bucket-here/x")
+    from etils import epath
+    epath.Path("gs://rlver-check/models/m/config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"^--workdir=gs://rlver-check/models/m: holds files but is not "
+                       r"a run's workdir \(config\.json\)"):
+      check_workdir("gs://rlver-check/models/m")

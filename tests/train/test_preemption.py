@@ -70,11 +70,11 @@ class _Exited(Exception):
 
 
 def _exit_line(monkeypatch, trainer, deadline_s=5.0) -> str:
-  def exit_preempted(line):  # the real one ends the process: it never returns
+  def exit_stopped(line, signum):  # the real one ends the process: it never returns
     raise _Exited(line)
-  monkeypatch.setattr(preemption, "exit_preempted", exit_preempted)
+  monkeypatch.setattr(preemption, "exit_stopped", exit_stopped)
   try:
-    preemption.save_and_exit(trainer, 5, deadline_s)
+    preemption.save_and_exit(trainer, 5, deadline_s, signal.SIGTERM)
   except _Exited as e:
     return str(e)
   raise AssertionError("save_and_exit returned")
@@ -91,3 +91,12 @@ def test_a_failed_commit_on_sigterm_is_named_not_taken_for_a_timeout(monkeypatch
   slow = _exit_line(monkeypatch, _Trainer(lambda: time.sleep(3)), deadline_s=0.2)
   assert slow == ("preempted at step 3 of 5; run the same command to resume (the checkpoint of step 3 "
                   "did not commit within checkpoint.preempt_deadline_s=0.2; a resume starts from step 2)")
+
+
+def test_ctrl_c_is_left_to_python_unless_asked_for():
+  # In a notebook an interrupt must stay a KeyboardInterrupt: the kernel lives on.
+  with PreemptionGuard():
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  with PreemptionGuard(ctrl_c=True):
+    assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

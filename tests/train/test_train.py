@@ -351,6 +351,8 @@ def test_packed_shapes_come_from_few_buckets():
 class _CountingGuard:
   """A PreemptionGuard stand-in that reports SIGTERM from its `fire_at`-th poll on."""
 
+  signum = signal.SIGTERM
+
   def __init__(self, fire_at=None):
     self.fire_at, self.calls = fire_at, 0
 
@@ -368,16 +370,16 @@ class _CountingGuard:
 def test_sigterm_during_a_rollout_saves_the_last_step_and_resumes_exactly(world, tmp_path, monkeypatch):
   cfg = lambda steps: _config(world, "grpo", total_steps=steps, **{"checkpoint.every_steps": 100})
   counter = _CountingGuard()
-  monkeypatch.setattr(train, "PreemptionGuard", lambda: counter)
+  monkeypatch.setattr(train, "PreemptionGuard", lambda *_: counter)
   train.run(cfg(1), str(tmp_path / "probe"))
   per_step = counter.calls  # the polls of one step: one per rollout turn and one after the step
   assert per_step >= 2
   # Fire at step 2's first turn: its rollout is dropped, step 1 is saved (every_steps would not).
-  monkeypatch.setattr(train, "PreemptionGuard", lambda: _CountingGuard(fire_at=per_step + 1))
+  monkeypatch.setattr(train, "PreemptionGuard", lambda *_: _CountingGuard(fire_at=per_step + 1))
   interrupted, straight = tmp_path / "interrupted", tmp_path / "straight"
   paths = train.run(cfg(3), str(interrupted))
   assert paths["step"] == "1" and paths["outcome"] == "preempted" and [m["step"] for m in _metrics(interrupted)] == [1]
-  monkeypatch.setattr(train, "PreemptionGuard", lambda: _CountingGuard())
+  monkeypatch.setattr(train, "PreemptionGuard", lambda *_: _CountingGuard())
   train.run(cfg(3), str(interrupted))  # resumes from step 1
   train.run(cfg(3), str(straight))
   a, step_a = _params(straight, cfg(3))
@@ -435,17 +437,17 @@ def test_sigterm_during_an_evaluation_saves_the_step_and_the_resume_redoes_the_e
                 "eval.max_turns": 2, "checkpoint.every_steps": 100}
   cfg = lambda: _config(world, "grpo", total_steps=1, **evaluating)
   probe = _CountingGuard()
-  monkeypatch.setattr(train, "PreemptionGuard", lambda: probe)
+  monkeypatch.setattr(train, "PreemptionGuard", lambda *_: probe)
   train.run(_config(world, "grpo", total_steps=1), str(tmp_path / "probe"))
   per_step = probe.calls  # the rollout's polls and the one after the step; the evaluation's follow
-  monkeypatch.setattr(train, "PreemptionGuard", lambda: _CountingGuard(fire_at=per_step + 1))
+  monkeypatch.setattr(train, "PreemptionGuard", lambda *_: _CountingGuard(fire_at=per_step + 1))
   interrupted, straight = tmp_path / "interrupted", tmp_path / "straight"
   assert train.run(cfg(), str(interrupted))["step"] == "1"
   ckpt = Checkpointer(str(interrupted), every_steps=100, keep=1)
   assert ckpt.latest_step() == 1  # saved although every_steps=100 would not have
   ckpt.close()
   assert "eval/score" not in _metrics(interrupted)[0]
-  monkeypatch.setattr(train, "PreemptionGuard", lambda: _CountingGuard())
+  monkeypatch.setattr(train, "PreemptionGuard", lambda *_: _CountingGuard())
   train.run(cfg(), str(interrupted))  # nothing left to train: only the missing evaluation runs
   train.run(cfg(), str(straight))
   redone, want = _metrics(interrupted), _metrics(straight)

@@ -86,7 +86,8 @@ def _entry(module: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _flags(entries: tuple[str, ...]) -> dict[str, dict[str, bool]]:
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+  path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
   r = subprocess.run([sys.executable, "-c", _LIST_FLAGS, *entries], capture_output=True, text=True,
                      cwd=REPO, env=env, timeout=600, check=False)
   assert r.returncode == 0, r.stderr[-3000:]
@@ -95,7 +96,8 @@ def _flags(entries: tuple[str, ...]) -> dict[str, dict[str, bool]]:
 
 @functools.lru_cache(maxsize=None)
 def _config(path: str, arg: str | None):
-  spec = importlib.util.spec_from_file_location(f"documented_{pathlib.Path(path).stem}", REPO / path)
+  name = f"documented_{pathlib.Path(path).stem}"
+  spec = importlib.util.spec_from_file_location(name, REPO / path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config(arg) if arg is not None else module.get_config()
@@ -151,6 +153,17 @@ def problems(module: str, args: list[str], known: dict[str, bool]) -> list[str]:
   return wrong
 
 
+def test_benchmarks_readme_lists_every_script():
+  text = (REPO / "benchmarks" / "README.md").read_text()
+  top, investigations = text.split("## Finished investigations")
+  bench = REPO / "benchmarks"
+  missing = [p.name for p in sorted(bench.glob("*.py")) + sorted(bench.glob("*.sh"))
+             if f"`{p.name}`" not in top]
+  missing += [f"investigations/{p.name}" for p in sorted((bench / "investigations").glob("*.py"))
+              if f"`{p.name}`" not in investigations]
+  assert not missing, f"benchmarks/README.md does not list {missing}"
+
+
 def test_documents_show_commands():
   commands = _all_commands()
   docs = {doc for doc, _ in commands}
@@ -177,18 +190,22 @@ def test_a_typo_is_caught():
     assert problems("rlver_jax.main", [good[0], typo], known), typo
   for typo in ["--config=configs/grpo_think.py:runloca", "--config=configs/grpo_thinks.py"]:
     assert problems("rlver_jax.main", [typo], known), typo
-  text = "```\npython -m rlver_jax.main --config=configs/demo.py \\\n    --config.rl.group_sise=2  # x\n```\n"
+  text = ("```\npython -m rlver_jax.main --config=configs/demo.py \\\n"
+          "    --config.rl.group_sise=2  # x\n```\n")
   [words] = documented_commands(text)
-  assert problems(words[0], words[1:], known) == ["--config.rl.group_sise: no such key in the resolved config"]
+  assert problems(words[0], words[1:], known) == [
+      "--config.rl.group_sise: no such key in the resolved config"]
 
 
 @pytest.mark.parametrize("text,expected", [
-    ("`python -m rlver_jax.export --workdir=runs/RUN --out=/tmp/x`", [["rlver_jax.export", "--workdir=runs/RUN", "--out=/tmp/x"]]),
+    ("`python -m rlver_jax.export --workdir=runs/RUN --out=/tmp/x`",
+     [["rlver_jax.export", "--workdir=runs/RUN", "--out=/tmp/x"]]),
     ('E="python -m rlver_jax.evaluate --config.policy.top_k=20 $SIM"\n',
      []),  # prose, not code: ignored
     ('```\nE="python -m rlver_jax.evaluate --config.policy.top_k=20 $SIM"\n```\n',
      [["rlver_jax.evaluate", "--config.policy.top_k=20", "$SIM"]]),
-    ("    python -m rlver_jax.aot --estimate_time && echo done\n", [["rlver_jax.aot", "--estimate_time"]]),
+    ("    python -m rlver_jax.aot --estimate_time && echo done\n",
+     [["rlver_jax.aot", "--estimate_time"]]),
 ])
 def test_extraction(text, expected):
   assert documented_commands(text) == expected

@@ -26,8 +26,8 @@ step() {  # step NAME COMMAND...: run with a time limit, log to $OUT/NAME.txt, r
   echo "$name: exit $? ($(tail -n 1 "$OUT/$name.txt" | cut -c1-100))"
 }
 
-step floor "$PYTHON" decode_step_floor.py --models "$MODEL" --reps 3 --read-gib 1
-step scan_vs_loop "$PYTHON" layer_scan_vs_loop.py --model "$MODEL" --window "$WINDOW" --reps 10
+step floor "$PYTHON" investigations/decode_step_floor.py --models "$MODEL" --reps 3 --read-gib 1
+step scan_vs_loop "$PYTHON" investigations/layer_scan_vs_loop.py --model "$MODEL" --window "$WINDOW" --reps 10
 step scan_vs_loop_dsf env XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true \
-  "$PYTHON" layer_scan_vs_loop.py --model "$MODEL" --window "$WINDOW" --reps 10
+  "$PYTHON" investigations/layer_scan_vs_loop.py --model "$MODEL" --window "$WINDOW" --reps 10
 step profile "$PYTHON" decode_profile.py --model "$MODEL" --new 32 --top 30

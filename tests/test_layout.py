@@ -1,6 +1,6 @@
-"""The package's shape holds: the README's Layout block names every module, and every folder imports
-only what its `__init__.py` says it may (the rule that keeps `env/` and `rl/` independent and the
-model free of sampling and dialogues)."""
+"""The package's shape holds: docs/ARCHITECTURE.md's Layout block names every module, and every
+folder imports only what its `__init__.py` says it may (the rule that keeps `env/` and `rl/`
+independent and the model free of sampling and dialogues)."""
 import ast
 import pathlib
 import re
@@ -65,10 +65,10 @@ def test_every_folder_is_ruled():
   assert folders <= set(MAY_IMPORT), f"no import rule for {sorted(folders - set(MAY_IMPORT))}"
 
 
-def test_readme_layout_names_every_module():
-  readme = (ROOT / "README.md").read_text()
-  block = readme[readme.index("## Layout"):readme.index("### What is where")]
+def test_architecture_layout_names_every_module():
+  text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+  block = text[text.index("## Layout"):text.index("## What is where")]
   missing = [f"{p.parent.name}/{p.stem}" for folder in MAY_IMPORT if (PACKAGE / folder).is_dir()
              for p in sorted((PACKAGE / folder).glob("*.py"))
              if p.stem not in ("__init__", "__main__") and not re.search(rf"\b{p.stem}\b", block)]
-  assert not missing, f"README.md's Layout block does not name {missing}"
+  assert not missing, f"docs/ARCHITECTURE.md's Layout block does not name {missing}"

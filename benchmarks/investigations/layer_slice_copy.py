@@ -18,13 +18,16 @@ library fusions off (`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=`) keeps 
 (2) and makes (2) slower; only per-layer buffers avoid the copy, and only when attention reads each
 whole buffer: a static window slice of a per-layer buffer is copied too (the last two rows).
 
-  python benchmarks/layer_slice_copy.py [--window 4096] [--batch 8] [--reps 5] [--part 0.75]
+  python benchmarks/investigations/layer_slice_copy.py [--window 4096] [--batch 8] [--reps 5] [--part 0.75]
 """
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # _common, model_shapes
 import _common  # noqa: F401  (JAX_PLATFORMS=cpu unless the caller set it)
 import jax
 import jax.numpy as jnp

@@ -6,15 +6,17 @@ the same loop over static slices of the stacked params (whether a static slice i
 Random weights of a named shape (model_shapes.py), batch `--batch`, one new token per row attending a
 `--window`-slot cache window; medians of `--reps` calls, the two ways interleaved.
 
-  python layer_scan_vs_loop.py --model smollm2-135m:float32
-  JAX_PLATFORMS=cuda python layer_scan_vs_loop.py --model qwen2.5-7b:bfloat16 --window 1024
+  python benchmarks/investigations/layer_scan_vs_loop.py --model smollm2-135m:float32
+  JAX_PLATFORMS=cuda python benchmarks/investigations/layer_scan_vs_loop.py --model qwen2.5-7b:bfloat16 --window 1024
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import pathlib
 import sys
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # _common, model_shapes
 import _common  # noqa: F401  (JAX_PLATFORMS=cpu unless the caller set it)
 import jax
 import jax.numpy as jnp

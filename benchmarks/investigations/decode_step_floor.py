@@ -7,13 +7,16 @@ read of a large array. Weight bytes / time gives each one's effective bandwidth,
 far a step is from the memory floor and whether the layer scan itself costs anything. "Unrolled" takes
 each layer's weights as separate buffers (sliced before the jit), which our stacked params are not.
 
-  JAX_PLATFORMS=cuda python benchmarks/decode_step_floor.py --models qwen2.5-1.5b:bfloat16,qwen2.5-7b:bfloat16
-  python benchmarks/decode_step_floor.py --models tiny:float32      # CPU smoke run
+  JAX_PLATFORMS=cuda python benchmarks/investigations/decode_step_floor.py --models qwen2.5-1.5b:bfloat16,qwen2.5-7b:bfloat16
+  python benchmarks/investigations/decode_step_floor.py --models tiny:float32      # CPU smoke run
 """
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # _common, model_shapes
 import _common  # noqa: F401  (JAX_PLATFORMS=cpu unless the caller set it)
 import jax
 import jax.numpy as jnp

@@ -6,19 +6,22 @@ builds a small AVX-512 kernel (g++, OpenMP over the output columns, no weight pa
 our [in, out] layout and the tied head as [vocab, embed]) and times one step's dots with it next to
 XLA's scanned dots and numpy, on the same shapes, in one run. Needs g++ and AVX-512.
 
-  python benchmarks/handwritten_gemv.py [--reps 7]
+  python benchmarks/investigations/handwritten_gemv.py [--reps 7]
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import os
+import pathlib
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import numpy as np
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # _common, model_shapes
 import _common  # noqa: F401
 from _common import best_and_median, command_line, machine_info, table
 from mem_bandwidth import dots_row, xla_dots

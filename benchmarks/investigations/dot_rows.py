@@ -7,12 +7,15 @@ time steps up at some M and then stays flat, the dot kernel works in row tiles o
 that is not a multiple of the tile pays for a whole tile. The streamed GB/s is the weight bytes over
 the time: what the step's dots reach against `mem_bandwidth.py`'s read bandwidth.
 
-  python benchmarks/dot_rows.py [--rows 1,2,4,6,8,12,16,24,32] [--reps 20]
+  python benchmarks/investigations/dot_rows.py [--rows 1,2,4,6,8,12,16,24,32] [--reps 20]
 """
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # _common, model_shapes
 import _common  # noqa: F401  (JAX_PLATFORMS=cpu unless the caller set it)
 import jax
 import jax.numpy as jnp

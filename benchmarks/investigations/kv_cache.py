@@ -8,14 +8,17 @@ over N chips each chip holds W/N of the weights and B/N of the cache rows. Per c
 
 and rows per chip at a context S = floor(tokens per chip / S); the slice holds N times that.
 
-  python benchmarks/kv_cache.py [--headroom 0.1]
+  python benchmarks/investigations/kv_cache.py [--headroom 0.1]
 """
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 
 import jax.numpy as jnp
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # _common, model_shapes
 import _common  # noqa: F401
 from _common import command_line, table
 from rlver_jax.models.presets import get_preset

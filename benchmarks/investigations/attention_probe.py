@@ -6,13 +6,16 @@ tokens after it, so a prefill of T tokens on an empty cache attends over W + T k
 head dim 64) at keys = T + W for the window the sampler uses (W = T) and the one a prefill needs
 (W = 64, the smallest bucket), next to torch's scaled_dot_product_attention on the same shapes.
 
-  python benchmarks/attention_probe.py [--rows 2] [--tokens 1024] [--reps 3]
+  python benchmarks/investigations/attention_probe.py [--rows 2] [--tokens 1024] [--reps 3]
 """
 from __future__ import annotations
 
 import argparse
 import os
+import pathlib
+import sys
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # _common, model_shapes
 import _common  # noqa: F401
 import jax
 import jax.numpy as jnp

@@ -6,7 +6,6 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import atexit  # noqa: E402
-import gc  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -30,6 +29,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "fixtures"))
 SHARED = REPO.parent / "shared"
 
+from memory_maps import release_compiled_programs_above  # noqa: E402
+
 
 @pytest.fixture
 def shared_dir() -> pathlib.Path:
@@ -38,26 +39,10 @@ def shared_dir() -> pathlib.Path:
   return SHARED
 
 
-def _memory_maps() -> tuple[int, int] | None:
-  """(this process's memory mappings, the kernel's limit per process), where Linux tells."""
-  try:
-    with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
-      return sum(1 for _ in maps), int(limit.read())
-  except OSError:
-    return None
-
 
 @pytest.fixture(autouse=True)
 def _release_compiled_programs():
-  """Frees the compiled programs a test left in jax's caches once they hold 40% of the mappings a
-  process may have. Each XLA:CPU executable keeps a few memory mappings of JIT'd code, and an xdist
-  worker compiles thousands (every Trainer jits its programs anew) and keeps them: a worker reached
-  ~20k of the 65,530 by mid-suite. At the limit LLVM cannot map a new program ("LLVM compilation
-  error: Cannot allocate memory") and the C++ exception that reports it segfaults in the unwinder
-  (_Unwind_Find_FDE, under xla::ValueOrThrow in backend_compile_and_load): the suite's intermittent
-  crash compiling the update step, reproduced by filling the mappings first."""
+  """Frees the compiled programs a test left in jax's caches once they hold 40% of the memory
+  mappings a process may have (`memory_maps.py` says why: the suite's segfault)."""
   yield
-  maps = _memory_maps()
-  if maps is not None and maps[0] > 0.4 * maps[1]:
-    jax.clear_caches()
-    gc.collect()
+  release_compiled_programs_above(0.4)

@@ -27,6 +27,13 @@ def _stopped_while_starting(signum, _frame):
   os._exit(128 + signal.SIGINT if signum == signal.SIGINT else 75)
 
 
+def _stopped_after_training(signum, _frame):
+  what = "interrupted" if signum == signal.SIGINT else "preempted"
+  sys.stderr.write(f"{what} while printing the summary; everything the run wrote is saved\n")
+  sys.stderr.flush()
+  os._exit(128 + signal.SIGINT if signum == signal.SIGINT else 75)
+
+
 if __name__ == "__main__":  # until the trainer's own handler takes over: nothing to save yet
   signal.signal(signal.SIGINT, _stopped_while_starting)  # not a KeyboardInterrupt from inside jax
   signal.signal(signal.SIGTERM, _stopped_while_starting)
@@ -88,6 +95,8 @@ def main(argv):
     # Held until the process ends (never released: the kernel does it, also on kill -9).
     lock = on_process_zero(f"locking --workdir={workdir}", lambda: lock_workdir(workdir))  # noqa: F841
     paths = loop.run(spec, workdir, ctrl_c=True)
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the trainer's handlers are gone with it
+      signal.signal(signum, _stopped_after_training)
   # Bad input, an unwritable workdir, a simulator that cannot answer within its retry bound (on any
   # host), or a diverged update: one line, non-zero exit (--verbosity=1 logs the traceback).
   except (ValueError, OSError, SimulatorBackendError, ProcessZeroError, loop.TrainingDiverged) as e:

@@ -79,6 +79,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.simulator.top_k = 0
   c.simulator.max_parse_retries = 2
   c.simulator.clamp_change = True    # the benchmark limits each change to [-10, 10]
+  c.simulator.state_change_range = 10  # ... and the prompt states that range (0: none)
+  # "clause" (再见/拜拜 ending a clause, not negated) or "substring" (anywhere, as SAGE matches).
+  c.simulator.goodbye_match = "clause"
   c.simulator.score_guidance = False  # no points scale in the prompt (the reference states none)
   c.simulator.info_flow = "chat"     # "reference": the benchmark's (see configs/base.py)
   c.simulator.change_mode = "sampled"  # "expected": the simulator's mean change (model backend only)

@@ -173,13 +173,25 @@ def _is_chinese_farewell(text: str) -> bool:
   return any(not _ZH_NOT_SAYING.search(text[:m.start()]) for m in _ZH_GOODBYE.finditer(text))
 
 
-def says_goodbye(text: str, language: str) -> bool:
+GOODBYE_MATCHES = ("clause", "substring")
+# The reference and SAGE look for 再见 / 拜拜 anywhere in the line; "bye" stands in for English users.
+_GOODBYE_SUBSTRINGS = ("再见", "拜拜", "bye")
+
+
+def says_goodbye(text: str, language: str, match: str = "clause") -> bool:
   """True when the simulated user's utterance takes leave of the conversation.
 
-  Chinese text matches 再见/拜拜 ending a clause and not negated (and English farewells, which
-  Chinese users also type); English text matches whole-word farewells, skipping ones that are
-  merely described, negated or wished for.
+  "clause": Chinese text matches 再见/拜拜 ending a clause and not negated (and English farewells,
+  which Chinese users also type); English text matches whole-word farewells, skipping ones that are
+  merely described, negated or wished for. "substring": any 再见, 拜拜 or "bye" anywhere (so "不想再见
+  到他" ends the dialogue too), as the reference matches.
   """
+  if match not in GOODBYE_MATCHES:
+    raise ValueError(f"unknown goodbye match {match!r}; expected one of {GOODBYE_MATCHES}")
+  if language not in ("zh", "en"):
+    raise ValueError(f"unsupported language {language!r}; expected 'en' or 'zh'")
+  if match == "substring":
+    return any(word in text.lower() for word in _GOODBYE_SUBSTRINGS)
   if language == "zh":
     return _is_chinese_farewell(text) or _is_english_farewell(text)
   if language == "en":

@@ -220,9 +220,9 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.eval.start_emotion = 40
   c.eval.max_turns = 9              # policy replies: the opening + 9 replies = up to 10 user lines
   c.eval.end_below = 10              # the benchmark ends a dialogue in state F (emotion < 10)
-  # The policy's system prompt in the held-out evaluation: "chat_partner" (a generic one, like the
-  # benchmark's) or "training" (the one it is trained with).
-  c.eval.policy_prompt = "chat_partner"
+  # The policy's system prompt in the held-out evaluation: "sage" (the benchmark's ask, in this
+  # project's words), "chat_partner" (a generic one) or "training" (the one it is trained with).
+  c.eval.policy_prompt = "sage"
   # Policy sampling during held-out evaluation: the same as configs/eval_sentient.py (Qwen2.5-Instruct's
   # generation_config), so eval/score is comparable with `rlver_jax.evaluate`, not rollout sampling.
   c.eval.temperature = 0.7

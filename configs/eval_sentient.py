@@ -101,8 +101,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.start_emotion = 40
   c.eval.max_turns = 9               # policy replies = scored emotion updates (see the docstring)
   c.eval.end_below = 10              # the benchmark's failure state F ends a dialogue
-  # "chat_partner": a generic prompt, as the benchmark evaluates; "training": the training prompt.
-  c.eval.policy_prompt = "chat_partner"
+  # "sage": the benchmark's ask (a partner with high emotional intelligence who makes the user feel
+  # better); "chat_partner": a generic "chat naturally" prompt; "training": the training prompt.
+  c.eval.policy_prompt = "sage"
   c.eval.batch_size = 32             # dialogues run together
 
   c.mesh = ml_collections.ConfigDict()

@@ -45,15 +45,24 @@ _CHAT_PARTNER = {
     "en": "You are talking with another person. Chat with them the way you naturally would.",
     "zh": "你正在和另一个人聊天，像平常那样自然地和对方交谈。",
 }
-SYSTEM_PROMPTS = ("training", "chat_partner")
+# What SAGE asks of the evaluated policy, in this project's words: an emotionally intelligent
+# partner whose aim is that the user feels better.
+_SAGE = {
+    "en": ("You are a person of high emotional intelligence, talking with someone. Your aim in "
+           "this conversation is to help them feel better."),
+    "zh": "你是一个情商很高的人，正在和一个人聊天。你这次聊天的目标是让对方感觉好一些。",
+}
+SYSTEM_PROMPTS = ("training", "chat_partner", "sage")
 
 
 def policy_system_prompt(think: bool, language: str, kind: str = "training") -> str:
   """The policy's system prompt in "en" or "zh": "training" (think / no-think, the goal and the
-  reply style) or "chat_partner" (the benchmark's kind of generic prompt; `think` is ignored)."""
+  reply style), "chat_partner" (a generic prompt with no goal) or "sage" (the benchmark's ask: an
+  emotionally intelligent partner who makes the user feel better); the last two ignore `think`."""
   if kind not in SYSTEM_PROMPTS:
     raise ValueError(f"unknown policy system prompt {kind!r}; expected one of {SYSTEM_PROMPTS}")
-  table = _PROMPTS if kind == "training" else {(bool(think), k): v for k, v in _CHAT_PARTNER.items()}
+  generic = _CHAT_PARTNER if kind == "chat_partner" else _SAGE
+  table = _PROMPTS if kind == "training" else {(bool(think), k): v for k, v in generic.items()}
   try:
     return table[(bool(think), language)]
   except KeyError:

@@ -44,7 +44,7 @@ class RolloutConfig:
   reward_mode: str = "terminal"  # "terminal": final emotion / 100; "per_turn": emotion deltas / 100
   format_penalty: bool = False   # think mode: reward 0 when any turn breaks the think format
   language: str | None = None    # policy system prompt language; None: each profile's own
-  system_prompt: str = "training"  # or "chat_partner" (chat.SYSTEM_PROMPTS)
+  system_prompt: str = "training"  # or "chat_partner", "sage" (chat.SYSTEM_PROMPTS)
   share_prefix: bool = True      # rows of a group with the same opening prompt prefill it once
   stop_sequences: tuple[str, ...] = ()  # strings that end a policy turn on device (answer_stops)
   rows: int = 0                  # cache rows lent to dialogues (0: all at once, one key per turn)

@@ -395,7 +395,7 @@ class EvalSpec:
   start_emotion: int = 40
   max_turns: int = 9
   end_below: int = 10
-  policy_prompt: str = "chat_partner"
+  policy_prompt: str = "sage"
   temperature: float = 0.7
   top_p: float = 0.8
   top_k: int = 20

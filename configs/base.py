@@ -82,7 +82,17 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   # training dialogues hold 9 policy replies; this counts them directly.
   c.simulator.max_turns = 9
   c.simulator.end_below = 1          # a dialogue ends when the emotion falls below this (1: at 0)
+  # ... and when it reaches this (0: never; the user still leaves on a goodbye or at 0).
+  c.simulator.end_above = 100
   c.simulator.clamp_change = True    # each stated change limited to [-10, 10] (as the benchmark)
+  # The emotion prompt (and its retry) asks for a change in [-N, N]; 0 states no range.
+  c.simulator.state_change_range = 10
+  # Goodbye detection: "clause" (再见/拜拜 ending a clause, not negated; English farewells) or
+  # "substring" (再见, 拜拜 or "bye" anywhere in the line).
+  c.simulator.goodbye_match = "clause"
+  # Training ends a dialogue whose visible text (user and policy lines) passes this many
+  # characters; 0 = no limit (the policy's cache still bounds it: context_full).
+  c.simulator.history_chars = 0
   c.simulator.score_guidance = False  # no "+3 to +10 for a good reply" scale (the reference has none)
   # What the simulator's steps see of each other: "chat" = one growing chat (every later step sees
   # the earlier analyses and plans); "reference" = the reference's: the emotion step sees a clean
@@ -112,6 +122,8 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.data = ml_collections.ConfigDict()
   c.data.profiles = "gs://YOUR_BUCKET/data/train_profile.jsonl"
   c.data.num_holdout = 20            # held out from training for periodic evaluation
+  # "epochs": each profile once per shuffled epoch; "with_replacement": independent uniform draws.
+  c.data.sampling = "epochs"
 
   c.rl = ml_collections.ConfigDict()
   c.rl.profiles_per_step = 32
@@ -143,7 +155,10 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.rl.lam = 1.0
   c.rl.whiten_advantages = True
   c.rl.reward_mode = "terminal"      # or "per_turn" (emotion deltas on each turn's last token)
-  c.rl.format_penalty = False       # think mode only: a malformed reply scores 0
+  c.rl.format_penalty = think        # think mode only: a dialogue with a malformed turn scores 0
+  # GRPO group mean and std: one value per dialogue ("dialogue"), or one per trained row
+  # ("turn_rows": in think mode a row per turn, so long dialogues weigh more).
+  c.rl.group_stats = "dialogue"
   c.rl.clip_low = 0.2
   c.rl.clip_high = 0.2
   c.rl.dual_clip = 0.0               # 0 = off
@@ -205,9 +220,9 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.eval.start_emotion = 40
   c.eval.max_turns = 9              # policy replies: the opening + 9 replies = up to 10 user lines
   c.eval.end_below = 10              # the benchmark ends a dialogue in state F (emotion < 10)
-  # The policy's system prompt in the held-out evaluation: "chat_partner" (a generic one, like the
-  # benchmark's) or "training" (the one it is trained with).
-  c.eval.policy_prompt = "chat_partner"
+  # The policy's system prompt in the held-out evaluation: "sage" (the benchmark's ask, in this
+  # project's words), "chat_partner" (a generic one) or "training" (the one it is trained with).
+  c.eval.policy_prompt = "sage"
   # Policy sampling during held-out evaluation: the same as configs/eval_sentient.py (Qwen2.5-Instruct's
   # generation_config), so eval/score is comparable with `rlver_jax.evaluate`, not rollout sampling.
   c.eval.temperature = 0.7
@@ -238,11 +253,21 @@ REFERENCE_VALUES = {
     "optim.warmup_unit": "steps",     # its scheduler steps once per RL step ...
     "optim.warmup_steps": 20,         # ... 20 of them for the actor
     "optim.critic_warmup_steps": 50,  # ... and 50 for the critic
+    "simulator.state_change_range": 0,  # its training prompt states no range
+    "simulator.end_above": 0,         # it ends on a goodbye or at 0, not at 100
+    "simulator.goodbye_match": "substring",
+    "rl.group_stats": "turn_rows",    # mean and std over the group's per-turn rows
+    "data.sampling": "with_replacement",
+}
+# ... and in think mode only.
+REFERENCE_THINK_VALUES = {
+    "simulator.history_chars": 5000,  # its think-mode rollout ends a longer dialogue
 }
 
 
 def _reference(c: ml_collections.ConfigDict) -> None:
-  for key, value in REFERENCE_VALUES.items():
+  values = {**REFERENCE_VALUES, **(REFERENCE_THINK_VALUES if c.policy.think else {})}
+  for key, value in values.items():
     section, leaf = key.split(".")
     c[section][leaf] = value
 

@@ -79,6 +79,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.simulator.top_k = 0
   c.simulator.max_parse_retries = 2
   c.simulator.clamp_change = True    # the benchmark limits each change to [-10, 10]
+  c.simulator.state_change_range = 10  # ... and the prompt states that range (0: none)
+  # "clause" (再见/拜拜 ending a clause, not negated) or "substring" (anywhere, as SAGE matches).
+  c.simulator.goodbye_match = "clause"
   c.simulator.score_guidance = False  # no points scale in the prompt (the reference states none)
   c.simulator.info_flow = "chat"     # "reference": the benchmark's (see configs/base.py)
   c.simulator.change_mode = "sampled"  # "expected": the simulator's mean change (model backend only)
@@ -98,8 +101,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.start_emotion = 40
   c.eval.max_turns = 9               # policy replies = scored emotion updates (see the docstring)
   c.eval.end_below = 10              # the benchmark's failure state F ends a dialogue
-  # "chat_partner": a generic prompt, as the benchmark evaluates; "training": the training prompt.
-  c.eval.policy_prompt = "chat_partner"
+  # "sage": the benchmark's ask (a partner with high emotional intelligence who makes the user feel
+  # better); "chat_partner": a generic "chat naturally" prompt; "training": the training prompt.
+  c.eval.policy_prompt = "sage"
   c.eval.batch_size = 32             # dialogues run together
 
   c.mesh = ml_collections.ConfigDict()

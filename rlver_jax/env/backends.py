@@ -63,6 +63,7 @@ class SimulatorBackend(Protocol):
   """
 
   prefill_tokens: int | None  # tokens run as model input over all calls; None: not a local model
+  cut_answers: int | None  # answers cut at max_new_tokens over all calls; None: not counted
   last_error: str | None  # the last failed request's error (None: none failed, or not tracked)
   reads_context: bool  # whether answers follow the messages (the info_flow applies); scripted: no
   scores_changes: bool  # whether `expected_changes` works (a local model only: an API has no logits)
@@ -123,6 +124,7 @@ class HistoryBackend:
   optional `SimulatorBackend` capabilities; every backend derives from it."""
 
   prefill_tokens: int | None = None
+  cut_answers: int | None = None
   last_error: str | None = None
   reads_context: bool = True
   scores_changes = False

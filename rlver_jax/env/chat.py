@@ -45,15 +45,24 @@ _CHAT_PARTNER = {
     "en": "You are talking with another person. Chat with them the way you naturally would.",
     "zh": "你正在和另一个人聊天，像平常那样自然地和对方交谈。",
 }
-SYSTEM_PROMPTS = ("training", "chat_partner")
+# What SAGE asks of the evaluated policy, in this project's words: an emotionally intelligent
+# partner whose aim is that the user feels better.
+_SAGE = {
+    "en": ("You are a person of high emotional intelligence, talking with someone. Your aim in "
+           "this conversation is to help them feel better."),
+    "zh": "你是一个情商很高的人，正在和一个人聊天。你这次聊天的目标是让对方感觉好一些。",
+}
+SYSTEM_PROMPTS = ("training", "chat_partner", "sage")
 
 
 def policy_system_prompt(think: bool, language: str, kind: str = "training") -> str:
   """The policy's system prompt in "en" or "zh": "training" (think / no-think, the goal and the
-  reply style) or "chat_partner" (the benchmark's kind of generic prompt; `think` is ignored)."""
+  reply style), "chat_partner" (a generic prompt with no goal) or "sage" (the benchmark's ask: an
+  emotionally intelligent partner who makes the user feel better); the last two ignore `think`."""
   if kind not in SYSTEM_PROMPTS:
     raise ValueError(f"unknown policy system prompt {kind!r}; expected one of {SYSTEM_PROMPTS}")
-  table = _PROMPTS if kind == "training" else {(bool(think), k): v for k, v in _CHAT_PARTNER.items()}
+  generic = _CHAT_PARTNER if kind == "chat_partner" else _SAGE
+  table = _PROMPTS if kind == "training" else {(bool(think), k): v for k, v in generic.items()}
   try:
     return table[(bool(think), language)]
   except KeyError:
@@ -173,13 +182,25 @@ def _is_chinese_farewell(text: str) -> bool:
   return any(not _ZH_NOT_SAYING.search(text[:m.start()]) for m in _ZH_GOODBYE.finditer(text))
 
 
-def says_goodbye(text: str, language: str) -> bool:
+GOODBYE_MATCHES = ("clause", "substring")
+# The reference and SAGE look for 再见 / 拜拜 anywhere in the line; "bye" stands in for English users.
+_GOODBYE_SUBSTRINGS = ("再见", "拜拜", "bye")
+
+
+def says_goodbye(text: str, language: str, match: str = "clause") -> bool:
   """True when the simulated user's utterance takes leave of the conversation.
 
-  Chinese text matches 再见/拜拜 ending a clause and not negated (and English farewells, which
-  Chinese users also type); English text matches whole-word farewells, skipping ones that are
-  merely described, negated or wished for.
+  "clause": Chinese text matches 再见/拜拜 ending a clause and not negated (and English farewells,
+  which Chinese users also type); English text matches whole-word farewells, skipping ones that are
+  merely described, negated or wished for. "substring": any 再见, 拜拜 or "bye" anywhere (so "不想再见
+  到他" ends the dialogue too), as the reference matches.
   """
+  if match not in GOODBYE_MATCHES:
+    raise ValueError(f"unknown goodbye match {match!r}; expected one of {GOODBYE_MATCHES}")
+  if language not in ("zh", "en"):
+    raise ValueError(f"unsupported language {language!r}; expected 'en' or 'zh'")
+  if match == "substring":
+    return any(word in text.lower() for word in _GOODBYE_SUBSTRINGS)
   if language == "zh":
     return _is_chinese_farewell(text) or _is_english_farewell(text)
   if language == "en":

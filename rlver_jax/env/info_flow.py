@@ -37,12 +37,13 @@ def _user(content: str) -> Message:
 
 
 def emotion_messages(info_flow: str, policy_reply: str, emotion: int, language: str, style: str,
-                     guidance: bool) -> tuple[list[Message], int]:
+                     guidance: bool, change_range: int = 10) -> tuple[list[Message], int]:
   """The emotion step's new messages, and how many of them (from the front) stay in the context."""
   if info_flow == "chat":
-    return [_user(prompts.emotion_instruction(policy_reply, emotion, language, style, guidance))], 1
+    return [_user(prompts.emotion_instruction(policy_reply, emotion, language, style, guidance,
+                                              change_range))], 1
   return [_user(prompts.other_side_said(policy_reply, language)),
-          _user(prompts.emotion_request(emotion, language, style, guidance))], 1
+          _user(prompts.emotion_request(emotion, language, style, guidance, change_range))], 1
 
 
 def reply_message(info_flow: str, analysis: str, emotion: int, state: str, language: str,

@@ -52,6 +52,8 @@ class ModelBackend(HistoryBackend):
     self.stops = AnswerStops(chat, sampler.config.vocab_size) if stop_at_lines else None
     self.share_prefix = share_prefix
     self.prefill_tokens = 0  # tokens run through the model as input (not sampled), all calls
+    # Answers that reached max_new_tokens unclosed: a cut emotion step has no change line (0).
+    self.cut_answers = 0
     self.sampler = sampler
     self.params = params
     self.chat = chat
@@ -230,6 +232,7 @@ class ModelBackend(HistoryBackend):
       # Only <|im_end|> closes a turn; one cut short, ended by a stop rule or by <|endoftext|> gets
       # it appended next.
       self.closed[r.row] = ids[-1:] == [self.chat.im_end]
+      self.cut_answers += len(ids) >= self.max_new_tokens and not self.closed[r.row]
       self.answered[r.row] = True
       self.generated_tokens += len(ids)
       text = self.chat.decode(ids, skip_special_tokens=True).strip()

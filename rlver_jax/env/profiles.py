@@ -220,15 +220,24 @@ def load_demo_profiles() -> list[Profile]:
 
 # --- Sampling -----------------------------------------------------------------------------------
 
+# "epochs": every profile once per shuffled epoch; "with_replacement": each draw independent and
+# uniform, as the reference samples (a profile may repeat within a step, another wait long).
+PROFILE_SAMPLINGS = ("epochs", "with_replacement")
+_DRAW_STREAM = 0x5A  # seeds of the with-replacement draws, apart from the epoch orders
+
 def _epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
   # Seeding from (seed, epoch) makes every epoch's order independent of how we got there.
   return np.random.default_rng([seed, epoch]).permutation(n)
 
 
 class ProfileSampler:
-  """Epoch-wise shuffled, deterministic and resumable stream of profiles."""
+  """Deterministic, resumable stream of profiles: epoch-wise shuffled, or (`sampling`
+  "with_replacement") uniform independent draws, the k-th seeded by (seed, k)."""
 
-  def __init__(self, profiles: Sequence[Profile], seed: int = 0):
+  def __init__(self, profiles: Sequence[Profile], seed: int = 0, sampling: str = "epochs"):
+    if sampling not in PROFILE_SAMPLINGS:
+      raise ValueError(f"unknown profile sampling {sampling!r}; expected one of {PROFILE_SAMPLINGS}")
+    self._replace = sampling == "with_replacement"
     if not profiles:
       raise ValueError("ProfileSampler needs at least one profile")
     if seed < 0:
@@ -255,6 +264,14 @@ class ProfileSampler:
     if n < 0:
       raise ValueError(f"batch size must be non-negative, got {n}")
     batch: list[Profile] = []
+    while self._replace and len(batch) < n:
+      # The draw count is epoch x len + position, so the state format is the same in both modes.
+      k = self._epoch * len(self._profiles) + self._position
+      batch.append(self._profiles[np.random.default_rng([self._seed, _DRAW_STREAM, k])
+                                  .integers(len(self._profiles))])
+      self._position += 1
+      if self._position == len(self._profiles):
+        self._epoch, self._position = self._epoch + 1, 0
     while len(batch) < n:
       take = min(n - len(batch), len(self._profiles) - self._position)
       idx = self._order[self._position:self._position + take]

@@ -44,10 +44,11 @@ class RolloutConfig:
   reward_mode: str = "terminal"  # "terminal": final emotion / 100; "per_turn": emotion deltas / 100
   format_penalty: bool = False   # think mode: reward 0 when any turn breaks the think format
   language: str | None = None    # policy system prompt language; None: each profile's own
-  system_prompt: str = "training"  # or "chat_partner" (chat.SYSTEM_PROMPTS)
+  system_prompt: str = "training"  # or "chat_partner", "sage" (chat.SYSTEM_PROMPTS)
   share_prefix: bool = True      # rows of a group with the same opening prompt prefill it once
   stop_sequences: tuple[str, ...] = ()  # strings that end a policy turn on device (answer_stops)
   rows: int = 0                  # cache rows lent to dialogues (0: all at once, one key per turn)
+  history_chars: int = 0         # end a dialogue whose visible text passes this (0: no limit)
 
   def __post_init__(self):
     if self.rows < 0:
@@ -152,6 +153,7 @@ class RolloutStats:
   policy_turns: int = 0
   policy_prefill_tokens: int = 0  # tokens the policy ran as input (prompts, user turns, replies)
   simulator_prefill_tokens: int | None = None  # the same for a co-located simulator (set by the caller)
+  simulator_cut_answers: int | None = None  # its answers cut at simulator.max_new_tokens (caller)
 
 
 class RolloutInterrupted(Exception):
@@ -326,6 +328,10 @@ class _Rollout:
     for r in results:
       if r.done:
         continue
+      limit = self.cfg.history_chars
+      if limit and history_chars(self.users.records[r.row]) > limit:
+        self.users.end(r.row, "history_long")
+        continue
       s = self.slots.row_of[r.row]
       user = chat.encode("\n") + chat.message("user", r.user_reply or "") + chat.generation_header()
       # Room must remain for at least one sampled token and the closing <|im_end|>.
@@ -343,6 +349,12 @@ class _Rollout:
     self.cache = self.cache.with_lengths(turn.lengths)
     self.stats.policy_prefill_tokens += sum(len(a) for a in turn.appends)
     self.cache, self.logits = self.sampler.append(self.params, self.cache, turn.appends, self.logits)
+
+
+def history_chars(rec: UserState) -> int:
+  """Characters of the dialogue's visible lines (the user's and the policy's), the measure of the
+  reference's history limit (it counts its rendered prompt, of which these are the growing part)."""
+  return sum(len(line) for line in rec.replies) + sum(len(line) for line in rec.policy_replies)
 
 
 def _finish(b: int, row: _Row, profile: Profile, group_id: int, rec: UserState,

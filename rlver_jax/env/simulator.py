@@ -220,7 +220,8 @@ class SimulatedUsers:
     for rec, reply in zip(recs, policy_replies):
       rec.policy_replies.append(reply)
       new, kept = flows.emotion_messages(self.info_flow, reply, _shown(rec.emotion), rec.language,
-                                         self.rules.style, self.rules.score_guidance)
+                                         self.rules.style, self.rules.score_guidance,
+                                         self.rules.change_range)
       self._kept[rec.row] = len(rec.messages) + kept
       rec.messages += new
     changes, failures, analyses = self._emotion_step(recs)
@@ -233,7 +234,8 @@ class SimulatedUsers:
       # A simulator out of context cannot judge or answer: the dialogue ends where it stands.
       full = self._full(rec.row)
       rec.termination = ("context_full" if full
-                         else rec.emotion_termination(self.rules.max_turns, self.rules.end_below))
+                         else rec.emotion_termination(self.rules.max_turns, self.rules.end_below,
+                                                      self.rules.end_above))
     speaking = [rec for rec in recs
                 if rec.termination not in ("max_turns", "context_full", SIMULATOR_ERROR)]
     for rec in speaking:
@@ -250,7 +252,7 @@ class SimulatedUsers:
       reply = lines.get(rec.row) or self._silent(rec)
       rec.replies.append(reply)
       user_replies[rec.row] = reply
-      if rec.termination is None and says_goodbye(reply, rec.language):
+      if rec.termination is None and says_goodbye(reply, rec.language, self.rules.goodbye_match):
         rec.termination = "goodbye"
     self._forget([rec for rec in speaking if rec.row in user_replies], keep_line=True)
     return [
@@ -266,8 +268,9 @@ class SimulatedUsers:
     """Runs the analysis, re-asking only the rows whose change line could not be parsed."""
     def parse(text):
       return parse_change(text, clamp=self.rules.clamp_change)
-    changes, failures, analyses = self._ask(recs, "emotion", "retry", parse,
-                                            prompts.retry_instruction)
+    def retry(language):
+      return prompts.retry_instruction(language, self.rules.change_range)
+    changes, failures, analyses = self._ask(recs, "emotion", "retry", parse, retry)
     if self.rules.change_mode == "expected":
       changes = self._expected_changes(changes, analyses)
     for rec in recs:

@@ -128,7 +128,7 @@ def opening_instruction(language: str, passive: bool) -> str:
 
 
 def emotion_instruction(policy_reply: str, emotion: int, language: str, style: str,
-                        guidance: bool = False) -> str:
+                        guidance: bool = False, change_range: int = 10) -> str:
   """The emotion step: analyse the other side's latest reply and end with a signed change.
 
   `guidance` adds a points scale for the style (a fitting reply earns +3 to +10 in vanilla). The
@@ -136,7 +136,7 @@ def emotion_instruction(policy_reply: str, emotion: int, language: str, style: s
   (system prompt) sets the tone either way.
   """
   return (other_side_said(policy_reply, language) + "\n\n"
-          + emotion_request(emotion, language, style, guidance))
+          + emotion_request(emotion, language, style, guidance, change_range))
 
 
 def other_side_said(policy_reply: str, language: str) -> str:
@@ -147,10 +147,21 @@ def other_side_said(policy_reply: str, language: str) -> str:
   return f"The other side just said:\n<<<\n{policy_reply}\n>>>"
 
 
-def emotion_request(emotion: int, language: str, style: str, guidance: bool = False) -> str:
-  """The emotion step's request about the reply quoted just before it (see emotion_instruction)."""
+def _integer(language: str, change_range: int) -> str:
+  """How the change value is described: within [-N, +N], or (N = 0) with no range stated, as the
+  reference's training prompt leaves it."""
+  if language == "zh":
+    return f" -{change_range} 到 +{change_range} 之间带符号的整数" if change_range else "带符号的整数"
+  return f"a signed integer from -{change_range} to +{change_range}" if change_range else "a signed integer"
+
+
+def emotion_request(emotion: int, language: str, style: str, guidance: bool = False,
+                    change_range: int = 10) -> str:
+  """The emotion step's request about the reply quoted just before it (see emotion_instruction).
+  `change_range` N > 0 states the range [-N, +N]; 0 states none."""
   _check(language, style)
   label = CHANGE_LABEL[language]
+  integer = _integer(language, change_range)
   if language == "zh":
     strict = ""
     if guidance:
@@ -163,7 +174,7 @@ def emotion_request(emotion: int, language: str, style: str, guidance: bool = Fa
             "是否贴合隐藏主题：贴合还是偏离，为什么。\n"
             "内心反应：你心里第一时间的反应。\n"
             "感受：这句话让你整体感觉如何。\n"
-            f"最后单独一行写出情绪变化，是 -10 到 +10 之间带符号的整数，例如“{label}：-4”或“{label}：+3”。\n"
+            f"最后单独一行写出情绪变化，是{integer}，例如“{label}：-4”或“{label}：+3”。\n"
             "另外：要是对方什么都没说，或者发来的根本不成话（乱码、成串的符号、同一个字反复出现），"
             f"这会让你很受伤，情绪要大幅下降。{strict}")
   strict = ""
@@ -179,23 +190,24 @@ def emotion_request(emotion: int, language: str, style: str, guidance: bool = Fa
           "Fit with my hidden theme: does it fit or miss it, and why.\n"
           "Inner reaction: your first reaction inside.\n"
           "Feeling: how the reply leaves you overall.\n"
-          "Finish with one last line holding the change of your emotion, a signed integer from -10 "
-          f"to +10, e.g. \"{label}: -4\" or \"{label}: +3\".\n"
+          f"Finish with one last line holding the change of your emotion, {integer}, "
+          f"e.g. \"{label}: -4\" or \"{label}: +3\".\n"
           "Also: a reply that says nothing, or that no person would write (scrambled characters, "
           "strings of symbols, one character over and over), hurts you: let your emotion drop "
           f"sharply.{strict}")
 
 
-def retry_instruction(language: str) -> str:
-  """Sent after an analysis whose change line could not be read."""
+def retry_instruction(language: str, change_range: int = 10) -> str:
+  """Sent after an analysis whose change line could not be read (`change_range` as in
+  emotion_request)."""
   _check(language)
   label = CHANGE_LABEL[language]
+  integer = _integer(language, change_range)
   if language == "zh":
-    return (f"上面的分析没有以可读的情绪变化结尾。请重新写一遍分析，最后一行必须是“{label}：”加上 -10 到 +10 "
-            f"之间带符号的整数，例如“{label}：+3”。")
+    return (f"上面的分析没有以可读的情绪变化结尾。请重新写一遍分析，最后一行必须是“{label}：”加上{integer}，"
+            f"例如“{label}：+3”。")
   return ("Your analysis above did not end with a readable change line. Write the analysis "
-          f"again and make the last line \"{label}:\" followed by a signed integer from -10 to "
-          f"+10, e.g. \"{label}: +3\".")
+          f"again and make the last line \"{label}:\" followed by {integer}, e.g. \"{label}: +3\".")
 
 
 def reply_retry_instruction(language: str) -> str:

@@ -11,6 +11,7 @@ import dataclasses
 
 from rlver_jax.env import info_flow as flows
 from rlver_jax.env import simulator_prompts as prompts
+from rlver_jax.env.chat import GOODBYE_MATCHES
 from rlver_jax.env.expected_change import CHANGE_MODES
 from rlver_jax.env.user_state import end_below_need, start_emotion_need
 
@@ -28,6 +29,9 @@ class UserRules:
   score_guidance: bool = False
   info_flow: str = "chat"
   change_mode: str = "sampled"
+  change_range: int = 10      # the range [-N, N] the emotion prompt states; 0 = none stated
+  end_above: int = 100        # ends a dialogue at emotion >= this; 0 = never
+  goodbye_match: str = "clause"
 
   def __post_init__(self):
     if self.style not in prompts.STYLES:
@@ -36,6 +40,11 @@ class UserRules:
       raise ValueError(
           f"unknown language {self.language_override!r}; expected one of {prompts.LANGUAGES}")
     flows.check(self.info_flow)
+    if self.goodbye_match not in GOODBYE_MATCHES:
+      raise ValueError(f"goodbye_match={self.goodbye_match!r}: must be one of {GOODBYE_MATCHES}")
+    if self.change_range < 0 or not 0 <= self.end_above <= 100:
+      raise ValueError(f"need change_range >= 0 and end_above in [0, 100] (got "
+                       f"{self.change_range}, {self.end_above})")
     if self.max_turns < 1 or self.max_parse_retries < 0:
       raise ValueError(f"need max_turns >= 1 and max_parse_retries >= 0 (got {self.max_turns}, "
                        f"{self.max_parse_retries})")

@@ -13,7 +13,7 @@ from rlver_jax.env.profiles import Profile
 # simulator_error: a request to the backend failed within its retry bound (the run goes on).
 SIMULATOR_ERROR = "simulator_error"
 TERMINATIONS = ("goodbye", "emotion_zero", "emotion_low", "emotion_full", "max_turns",
-                "context_full", SIMULATOR_ERROR)
+                "context_full", "history_long", SIMULATOR_ERROR)
 
 
 def start_emotion_need(value: int) -> str | None:
@@ -107,9 +107,11 @@ class UserState:
     self.emotions.append(self.emotion)
     return applied
 
-  def emotion_termination(self, max_turns: int, end_below: int = 1) -> str | None:
-    """The ending forced by the emotion value (>= 100, or below `end_below`) or the turn budget."""
-    if self.emotion >= 100:
+  def emotion_termination(self, max_turns: int, end_below: int = 1,
+                          end_above: int = 100) -> str | None:
+    """The ending forced by the emotion value (>= `end_above`, 0 = never; or below `end_below`) or
+    the turn budget."""
+    if end_above and self.emotion >= end_above:
       return "emotion_full"
     if self.emotion <= 0:
       return "emotion_zero"

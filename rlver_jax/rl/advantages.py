@@ -25,6 +25,7 @@ def grpo_advantages(
     valid: jax.Array | None = None,
     num_groups: int | None = None,
     mean_only: bool = False,
+    weights: jax.Array | None = None,
     eps: float = 1e-6,
 ) -> jax.Array:
   """Group-relative advantages: (r - group mean) / (group std + eps).
@@ -38,6 +39,9 @@ def grpo_advantages(
       responses with ids 0..N-1. Pass it (as a Python int) when jitting with fewer groups.
     mean_only: Dr.GRPO: subtract the group mean but do not divide by the std (the std division
       up-weights near-unanimous groups and biases toward easy/hard prompts).
+    weights: optional [N] counts: response i stands for weights[i] identical rows in the group's
+      mean and (unbiased) std, so a dialogue trained as one row per turn counts once per turn, as
+      in the reference's statistics over per-turn rows. None: 1 each.
     eps: added to the std, not the variance, as in the GRPO paper.
 
   Returns:
@@ -50,11 +54,12 @@ def grpo_advantages(
   ids = group_ids.astype(jnp.int32)
   ok = jnp.ones((n,), bool) if valid is None else valid.astype(bool)
   w = ok.astype(_F32)
+  k = w if weights is None else w * weights.astype(_F32)
 
-  count = jax.ops.segment_sum(w, ids, num_segments=g)
-  mean = jax.ops.segment_sum(w * r, ids, num_segments=g) / jnp.maximum(count, 1.0)
+  count = jax.ops.segment_sum(k, ids, num_segments=g)
+  mean = jax.ops.segment_sum(k * r, ids, num_segments=g) / jnp.maximum(count, 1.0)
   centred = (r - mean[ids]) * w
-  var = jax.ops.segment_sum(centred**2, ids, num_segments=g) / jnp.maximum(count - 1.0, 1.0)
+  var = jax.ops.segment_sum(k * centred**2, ids, num_segments=g) / jnp.maximum(count - 1.0, 1.0)
   # Equal rewards must give exactly 0; (r - mean) can be ~1e-8 from rounding of the mean, and with
   # a ~1e-8 std that rounding noise would become an O(1) advantage. Compare max and min instead.
   hi = jax.ops.segment_max(jnp.where(ok, r, -jnp.inf), ids, num_segments=g)

@@ -15,7 +15,8 @@ import numpy as np
 
 from rlver_jax.rl.advantages import grpo_advantages
 from rlver_jax.rl.pack import Packed
-from rlver_jax.rl.prepare import ScoredDialogue, Targets, critic_targets, grpo_row_advantages
+from rlver_jax.rl.prepare import (ScoredDialogue, Targets, critic_targets, grpo_row_advantages,
+                                  stat_rows)
 from rlver_jax.rl.turn_credit import dialogue_turn_advantages, turn_row_advantages
 
 
@@ -31,15 +32,21 @@ class RLSettings(Protocol):
   kl_coef: float
   turn_credit: str
   dynamic_sampling: bool
+  group_stats: str
+
+
+# What one dialogue counts for in its group's mean and std (GRPO): once, or once per trained row.
+GROUP_STATS = ("dialogue", "turn_rows")
 
 
 @dataclasses.dataclass(frozen=True)
 class GRPO:
   """One scalar reward per dialogue, normalised within its group (Dr.GRPO: `mean_only`); with
   `turn_credit` (`rl.turn_credit`, see `rl.turn_credit`) each turn's return-to-go of emotion changes
-  instead."""
+  instead. `group_stats` (`rl.group_stats`): what a dialogue counts for in the group statistics."""
   mean_only: bool = False
   turn_credit: str = "none"
+  group_stats: str = "dialogue"
   name = "grpo"
   has_critic = False
   grouped = True  # advantages compare the dialogues of one profile
@@ -53,6 +60,9 @@ class GRPO:
     if rl.kl_in_reward and rl.kl_coef > 0:
       return ("config.rl.kl_in_reward=True needs algo=ppo: GRPO takes its KL as a loss term (set "
               "kl_in_reward=False)")
+    if rl.group_stats != "dialogue" and rl.turn_credit != "none":
+      return (f"config.rl.group_stats={rl.group_stats!r} needs rl.turn_credit='none' (turn credit "
+              "normalises per turn already)")
     if rl.group_size < 2:
       return (f"config.rl.group_size={rl.group_size}: GRPO needs >= 2 dialogues per profile (a "
               "group of one has zero advantage, so nothing is learned)")
@@ -64,7 +74,11 @@ class GRPO:
     are PPO's; GRPO has one reward per dialogue and no critic)."""
     del token_rewards, values
     if self.turn_credit == "none":
-      return Targets(grpo_row_advantages(dialogues, packed, mean_only=self.mean_only), None, {})
+      adv = grpo_row_advantages(dialogues, packed, mean_only=self.mean_only,
+                                group_stats=self.group_stats)
+      # Rows per dialogue in the group statistics: 1 with "dialogue".
+      rows = 1.0 if self.group_stats == "dialogue" else float(stat_rows(dialogues).mean())
+      return Targets(adv, None, {"grpo/stat_rows_per_dialogue": rows})
     per_turn = dialogue_turn_advantages(dialogues, mode=self.turn_credit, mean_only=self.mean_only)
     return Targets(turn_row_advantages(dialogues, packed, per_turn), None, {})
 
@@ -124,7 +138,7 @@ ALGORITHMS = ("grpo", "ppo")
 def algorithm_named(name: str, rl: RLSettings) -> Algorithm:
   """The algorithm config.algo names, with its config.rl settings."""
   if name == "grpo":
-    return GRPO(mean_only=rl.grpo_mean_only, turn_credit=rl.turn_credit)
+    return GRPO(mean_only=rl.grpo_mean_only, turn_credit=rl.turn_credit, group_stats=rl.group_stats)
   if name == "ppo":
     return PPO(gamma=rl.gamma, lam=rl.lam, whiten=rl.whiten_advantages)
   raise ValueError(f"unknown algorithm {name!r} (expected one of {ALGORITHMS})")

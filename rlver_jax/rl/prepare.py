@@ -35,15 +35,23 @@ def kl_penalised_rewards(rewards: np.ndarray, old_logp: np.ndarray, ref_logp: np
 
 
 def grpo_row_advantages(dialogues: Sequence[ScoredDialogue], packed: Packed, *,
-                        mean_only: bool) -> np.ndarray:
-  """Each dialogue's group-relative advantage on every policy token of its rows, float32 [N, T]."""
+                        mean_only: bool, group_stats: str = "dialogue") -> np.ndarray:
+  """Each dialogue's group-relative advantage on every policy token of its rows, float32 [N, T].
+  The group's mean and std count each dialogue once ("dialogue") or once per row it trains as
+  ("turn_rows": think mode with dropped thoughts makes a row per turn)."""
   rewards = np.array([d.reward for d in dialogues], np.float32)
   groups = np.array([d.group_id for d in dialogues], np.int32)
+  weights = None if group_stats == "dialogue" else jnp.asarray(stat_rows(dialogues))
   per_dialogue = np.asarray(adv_lib.grpo_advantages(jnp.asarray(rewards), jnp.asarray(groups),
-                                                    mean_only=mean_only))
+                                                    mean_only=mean_only, weights=weights))
   owner = packed.dialogue
   per_row = np.where(owner >= 0, per_dialogue[np.maximum(owner, 0)], 0.0)
   return (per_row[:, None] * packed.loss_mask).astype(np.float32)
+
+
+def stat_rows(dialogues: Sequence[PackableDialogue]) -> np.ndarray:
+  """[D] rows each dialogue trains as (at least 1: an untrained one still counts in its group)."""
+  return np.array([max(len(d.samples), 1) for d in dialogues], np.float32)
 
 
 class Targets(NamedTuple):

@@ -53,7 +53,7 @@ def _top_level(cls, tree: dict, strict: bool) -> dict:
 
 
 def _rollout_config(policy: PolicySpec, rl: RLSpec, prompt: str, *, eval_mode: bool,
-                    rows: int = 0) -> RolloutConfig:
+                    rows: int = 0, history_chars: int = 0) -> RolloutConfig:
   return RolloutConfig(think=policy.think, keep_thoughts=policy.keep_thoughts,
                        max_new_tokens=policy.max_new_tokens, temperature=policy.temperature,
                        top_p=policy.top_p, top_k=policy.top_k,
@@ -62,7 +62,7 @@ def _rollout_config(policy: PolicySpec, rl: RLSpec, prompt: str, *, eval_mode: b
                        language=policy.language or None,
                        system_prompt=prompt if eval_mode else "training",
                        share_prefix=rl.share_prefix, stop_sequences=policy.stop_sequences,
-                       rows=rows)
+                       rows=rows, history_chars=0 if eval_mode else history_chars)
 
 
 # -- the run specs --------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ class RunSpec:
   def rollout_config(self) -> RolloutConfig:
     """The training rollout: the policy's sampling, the configured rewards."""
     return _rollout_config(self.policy, self.rl, "training", eval_mode=False,
-                           rows=self.rollout.rows)
+                           rows=self.rollout.rows, history_chars=self.simulator.history_chars)
 
   def holdout_rollout_config(self) -> RolloutConfig:
     """The held-out evaluation during training: eval sampling (config.eval), terminal rewards."""

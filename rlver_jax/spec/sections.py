@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rlver_jax.env.chat import SYSTEM_PROMPTS
+from rlver_jax.env.chat import GOODBYE_MATCHES, SYSTEM_PROMPTS
 from rlver_jax.env.info_flow import INFO_FLOWS
+from rlver_jax.env.profiles import PROFILE_SAMPLINGS
 from rlver_jax.env.expected_change import CHANGE_MODES
 from rlver_jax.env.rollout import REWARD_MODES
 from rlver_jax.env.simulator_prompts import LANGUAGES, STYLES
@@ -15,6 +16,7 @@ from rlver_jax.env.user_state import end_below_need, start_emotion_need
 from rlver_jax.rl.losses import AGG_MODES, KL_KINDS, POLICY_LOSSES
 from rlver_jax.rl.rollout_correction import IS_CORRECTIONS
 from rlver_jax.rl.turn_credit import TURN_CREDITS
+from rlver_jax.rl.algorithms import GROUP_STATS
 from rlver_jax.rl.update import OptimConfig
 from rlver_jax.sampling.strategies import sampling_needs
 
@@ -136,8 +138,13 @@ class SimulatorSpec:
   http_max_concurrency: int = 8
   max_failed_share: float = 0.5
   stop_at_lines: bool = False
+  state_change_range: int = 10
+  end_above: int = 100
+  goodbye_match: str = "clause"
+  history_chars: int = 0
 
   def __post_init__(self):
+    self._check_reference_rules()
     require("simulator.stop_at_lines", self.stop_at_lines, isinstance(self.stop_at_lines, bool),
             "True or False")
     require("simulator.backend", self.backend, self.backend in SIMULATOR_BACKENDS,
@@ -169,14 +176,28 @@ class SimulatorSpec:
       require("simulator.top_k", self.top_k, self.top_k == 0,
               "0 with simulator.backend='http' (the chat API has no top_k)")
 
+  def _check_reference_rules(self) -> None:
+    r = self.state_change_range
+    require("simulator.state_change_range", r, _is_int(r) and r >= 0,
+            "an int >= 0 (the prompt states [-N, N]; 0 = no range stated)")
+    require("simulator.end_above", self.end_above, _is_int(self.end_above)
+            and 0 <= self.end_above <= 100, "in [0, 100] (0 = never end on a high emotion)")
+    require("simulator.goodbye_match", self.goodbye_match, self.goodbye_match in GOODBYE_MATCHES,
+            f"one of {GOODBYE_MATCHES}")
+    require("simulator.history_chars", self.history_chars, _is_int(self.history_chars)
+            and self.history_chars >= 0, "an int >= 0 (0 = no limit)")
+
   def user_rules(self, users: "EvalSpec | None" = None) -> UserRules:
     """The simulated users' rules: training's, or with `users` an evaluation's (its start emotion,
-    turn limit and end; the style and the simulator's rules stay this section's)."""
+    turn limit and end, which is always at 100; the style and the simulator's rules stay this
+    section's)."""
     game = users or self
     return UserRules(style=self.style, start_emotion=game.start_emotion, max_turns=game.max_turns,
                      max_parse_retries=self.max_parse_retries, end_below=game.end_below,
                      clamp_change=self.clamp_change, score_guidance=self.score_guidance,
-                     info_flow=self.info_flow, change_mode=self.change_mode)
+                     info_flow=self.info_flow, change_mode=self.change_mode,
+                     change_range=self.state_change_range,
+                     end_above=100 if users else self.end_above, goodbye_match=self.goodbye_match)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +205,11 @@ class DataSpec:
   """config.data: the profile file (or a shipped demo set) and the held-out share."""
   profiles: str = "demo"
   num_holdout: int = 0
+  sampling: str = "epochs"
+
+  def __post_init__(self):
+    require("data.sampling", self.sampling, self.sampling in PROFILE_SAMPLINGS,
+            f"one of {PROFILE_SAMPLINGS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +232,7 @@ class RLSpec:
   whiten_advantages: bool = True
   reward_mode: str = "terminal"
   format_penalty: bool = False
+  group_stats: str = "dialogue"
   clip_low: float = 0.2
   clip_high: float = 0.2
   dual_clip: float = 0.0
@@ -259,6 +286,8 @@ class RLSpec:
             "an int >= 0 (extra rollout rounds per step)")
     require("rl.turn_credit", self.turn_credit, self.turn_credit in TURN_CREDITS,
             f"one of {TURN_CREDITS}")
+    require("rl.group_stats", self.group_stats, self.group_stats in GROUP_STATS,
+            f"one of {GROUP_STATS}")
 
   @property
   def correction(self) -> tuple[str, float]:
@@ -366,7 +395,7 @@ class EvalSpec:
   start_emotion: int = 40
   max_turns: int = 9
   end_below: int = 10
-  policy_prompt: str = "chat_partner"
+  policy_prompt: str = "sage"
   temperature: float = 0.7
   top_p: float = 0.8
   top_k: int = 20

@@ -57,7 +57,8 @@ class Trainer:
     if not self.train_profiles:
       raise build.ConfigError(f"config.data.num_holdout={spec.data.num_holdout} leaves no training "
                               f"profiles out of {len(profiles)}")
-    self.profile_sampler = ProfileSampler(self.train_profiles, seed=spec.seed)
+    self.profile_sampler = ProfileSampler(self.train_profiles, seed=spec.seed,
+                                          sampling=spec.data.sampling)
     with jax.set_mesh(self.mesh):
       self._load_models()
     # Replicated over the mesh like every other state leaf, so a restored key lives on the same devices.
@@ -141,11 +142,14 @@ class Trainer:
                                    groups=groups if rl.shared_opening else None)
     stats = RolloutStats()
     sim_before = self.backend.prefill_tokens  # the co-located model's count (else None)
+    cut_before = self.backend.cut_answers
     dialogues = run_dialogues(profiles, groups, users, sampler=self.sampler, params=self.state["policy"],
                               chat=self.chat, cfg=self.spec.rollout_config(), rng=rng, stats=stats,
                               should_stop=should_stop)
     if sim_before is not None:
       stats.simulator_prefill_tokens = self.backend.prefill_tokens - sim_before
+    if cut_before is not None:
+      stats.simulator_cut_answers = self.backend.cut_answers - cut_before
     return dialogues, stats
 
   def _old_logp(self, params, tokens, seg):
@@ -318,6 +322,8 @@ class Trainer:
                update_tokens_per_s=extra["sample_tokens"] * self.spec.rl.epochs / max(t2 - t1, 1e-9))
     if stats.simulator_prefill_tokens is not None:
       out["simulator_prefill_tokens"] = float(stats.simulator_prefill_tokens)
+    if stats.simulator_cut_answers is not None:
+      out["simulator/cut_answers"] = float(stats.simulator_cut_answers)
     return out
 
 

@@ -3,6 +3,7 @@
 import ast
 import importlib.util
 import pathlib
+import re
 
 import pytest
 
@@ -26,6 +27,12 @@ def _rows():
   return rows
 
 
+def _value(cell, think):
+  """A table cell's value: `V`, or `think: `V1`, no-think: `V2`` for a value per think mode."""
+  per_mode = dict(re.findall(r"(no-think|think): `([^`]*)`", cell))
+  return ast.literal_eval(per_mode["think" if think else "no-think"] if per_mode else cell.strip("`"))
+
+
 def _get(config, key):
   node = config
   for part in key.split("."):
@@ -39,16 +46,28 @@ def test_table_matches_the_resolved_configs(name):
   assert len(rows) >= 18
   plain, module = _config(name)
   reference, _ = _config(name, "reference")
+  think = plain.policy.think
   for key, default, ref in rows:
-    assert _get(plain, key) == ast.literal_eval(default.strip("`")), key
-    assert _get(reference, key) == ast.literal_eval(ref.strip("`")), key
+    assert _get(plain, key) == _value(default, think), key
+    assert _get(reference, key) == _value(ref, think), key
   keys = {key for key, _, _ in rows}
-  assert set(module.base.REFERENCE_VALUES) <= keys
+  set_by_reference = set(module.base.REFERENCE_VALUES)
+  if think:
+    set_by_reference |= set(module.base.REFERENCE_THINK_VALUES)
+  assert set_by_reference <= keys
   # Every key where :reference and the plain config differ is a row of the table.
   flat = lambda c: {f"{s}.{k}": v for s, d in c.to_dict().items() if isinstance(d, dict)
                     for k, v in d.items()}
   differ = {k for k, v in flat(reference).items() if flat(plain)[k] != v}
-  assert differ <= keys and differ == set(module.base.REFERENCE_VALUES)
+  assert differ <= keys and differ == set_by_reference
+
+
+def test_every_item_of_the_reference_comparison_has_a_row():
+  # The mechanics the released code and SAGE were compared on, each with its key in the table.
+  keys = {key for key, _, _ in _rows()}
+  assert {"simulator.state_change_range", "rl.format_penalty", "simulator.end_above",
+          "rl.group_stats", "simulator.goodbye_match", "data.sampling",
+          "simulator.history_chars"} <= keys
 
 
 def test_reference_combines_with_runlocal_and_simulator_style():

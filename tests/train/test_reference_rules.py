@@ -124,12 +124,19 @@ def test_evaluation_policy_prompt():
     assert partner == policy_system_prompt(False, language, "chat_partner")
     assert partner != policy_system_prompt(True, language)
     assert "<think>" not in partner
+    sage = policy_system_prompt(True, language, "sage")
+    assert sage == policy_system_prompt(False, language, "sage") and sage != partner
+    assert "<think>" not in sage
+  assert "emotional intelligence" in policy_system_prompt(False, "en", "sage")
+  assert "情商" in policy_system_prompt(False, "zh", "sage")
   with pytest.raises(ValueError, match="unknown policy system prompt"):
-    policy_system_prompt(True, "en", "sage")
+    policy_system_prompt(True, "en", "benchmark")
   grpo = _config("grpo_think")
   assert RunSpec.from_config(grpo).rollout_config().system_prompt == "training"
-  assert RunSpec.from_config(grpo).holdout_rollout_config().system_prompt == "chat_partner"
+  assert RunSpec.from_config(grpo).holdout_rollout_config().system_prompt == "sage"
   ev = _config("eval_sentient")
+  assert EvaluationSpec.from_config(ev).rollout_config().system_prompt == "sage"
+  ev.eval.policy_prompt = "chat_partner"
   assert EvaluationSpec.from_config(ev).rollout_config().system_prompt == "chat_partner"
   ev.eval.policy_prompt = "training"
   assert EvaluationSpec.from_config(ev).rollout_config().system_prompt == "training"

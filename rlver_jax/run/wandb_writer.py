@@ -78,10 +78,6 @@ class WandbWriter:
     self._run.define_metric("*", step_metric="step")
     self._failed = False
 
-  @property
-  def run_id(self) -> str:
-    return self._run.id
-
   def _log(self, step: int, data: dict[str, Any]) -> None:
     if self._failed or not data:
       return

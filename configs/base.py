@@ -232,6 +232,11 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.log = ml_collections.ConfigDict()
   c.log.transcripts_every = 10
   c.log.progress_bar = True
+  # Weights & Biases (pip install 'rlver_jax[wandb]'): '' = off. The same scalars as TensorBoard,
+  # the config, the reward plot and transcripts; WANDB_MODE=offline keeps the run under WANDB_DIR.
+  c.log.wandb_project = ""
+  c.log.wandb_entity = ""            # '' = the API key's default entity
+  c.log.wandb_run_name = ""          # '' = a name W&B picks
 
   if "reference" in args:
     _reference(c)

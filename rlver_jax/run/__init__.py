@@ -1,6 +1,6 @@
 """A run's files and their rules: the workdir (`workdir`), the saved config checked on resume
 (`saved_config`), provenance (`provenance`: prompt texts, code version, profiles), metrics and
-TensorBoard (`metrics`), orbax checkpoints with damaged-step fallback (`checkpoint`), and the trained
+TensorBoard (`metrics`) and optional W&B (`wandb_writer`), orbax checkpoints with damaged-step fallback (`checkpoint`), and the trained
 policy read back from a workdir (`trained_policy`).
 
 May import: models, parallel, spec, env (provenance hashes the prompt texts and profiles), and build

@@ -1,6 +1,7 @@
 """Run outputs: WORKDIR/metrics.jsonl (one line per step), TensorBoard events, transcripts and a
-reward plot. Only process 0 writes; every process calls each method at the same point, so a failed
-write stops all hosts together (`process_zero.on_process_zero`)."""
+reward plot, each also sent to Weights & Biases when config.log.wandb_project is set
+(`run.wandb_writer`). Only process 0 writes; every process calls each method at the same point, so
+a failed write stops all hosts together (`process_zero.on_process_zero`)."""
 from __future__ import annotations
 
 import io
@@ -12,6 +13,7 @@ import jax
 from absl import logging
 from etils import epath
 
+from rlver_jax.run.wandb_writer import WandbOptions, WandbWriter
 from rlver_jax.run.workdir import replace_text
 from rlver_jax.parallel.process_zero import on_process_zero
 
@@ -25,7 +27,7 @@ def _scalar(v: Any) -> Any:
 
 
 class MetricsWriter:
-  def __init__(self, workdir: str, *, tensorboard: bool = True):
+  def __init__(self, workdir: str, *, tensorboard: bool = True, wandb: WandbOptions | None = None):
     self.workdir = epath.Path(workdir)
     self.enabled = jax.process_index() == 0
     self.path = self.workdir / "metrics.jsonl"
@@ -34,6 +36,9 @@ class MetricsWriter:
     self._tensorboard = tensorboard and self.enabled
     on_process_zero(f"creating {self.transcripts}",
                     lambda: self.transcripts.mkdir(parents=True, exist_ok=True))
+    self._wandb = None
+    if wandb is not None:
+      self._wandb = on_process_zero("starting the W&B run", lambda: WandbWriter(workdir, wandb))
 
   def history(self) -> list[dict]:
     """The metrics lines already written (a resumed run appends after them).
@@ -89,6 +94,8 @@ class MetricsWriter:
         if isinstance(v, float):
           tb.add_scalar(k, v, step)
       tb.flush()
+    if self._wandb is not None:
+      self._wandb.scalars(step, scalars)
 
   def _board(self, step: int):
     if self._tensorboard and self._tb is None:
@@ -99,11 +106,14 @@ class MetricsWriter:
     return self._tb
 
   def write_board_media(self, step: int, texts: dict[str, str], images: dict[str, bytes]) -> None:
-    """TensorBoard only: Markdown texts (the text tab) and PNG images (the images tab) by tag."""
+    """TensorBoard and W&B only: Markdown texts (the text tab) and PNG images (the images tab) by
+    tag."""
     on_process_zero(f"writing TensorBoard events under {self.workdir}",
                     lambda: self._write_media(step, texts, images))
 
   def _write_media(self, step: int, texts: dict[str, str], images: dict[str, bytes]) -> None:
+    if self._wandb is not None:
+      self._wandb.media(step, texts, images)
     tb = self._board(step)
     if tb is None:
       return
@@ -119,8 +129,13 @@ class MetricsWriter:
   def write_transcripts(self, step: int, transcripts: list[dict]) -> epath.Path | None:
     path = self.transcripts / f"step_{step:06d}.jsonl"
     text = "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in transcripts)
-    on_process_zero(f"writing {path}", lambda: path.write_text(text))
+    on_process_zero(f"writing {path}", lambda: self._write_transcripts(path, text, step, transcripts))
     return path if self.enabled else None
+
+  def _write_transcripts(self, path: epath.Path, text: str, step: int, transcripts: list[dict]):
+    path.write_text(text)
+    if self._wandb is not None:
+      self._wandb.transcripts(step, transcripts)
 
   def plot_rewards(self) -> epath.Path | None:
     """Writes WORKDIR/reward.png; returns its path (None on other processes or before any step)."""
@@ -145,8 +160,13 @@ class MetricsWriter:
     plt.close(fig)
     path = self.workdir / "reward.png"
     path.write_bytes(buf.getvalue())
+    if self._wandb is not None:
+      self._wandb.image(steps[-1], "reward_plot", buf.getvalue())
     return path
 
   def close(self) -> None:
     if self._tb is not None:
       self._tb.close()
+    if self._wandb is not None:
+      self._wandb.close()
+      self._wandb = None

@@ -3,6 +3,7 @@ its own fields in `__post_init__` (ConfigError names the key)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any
 
 from rlver_jax.env.chat import GOODBYE_MATCHES, SYSTEM_PROMPTS
@@ -415,6 +416,13 @@ class EvalSpec:
 
 @dataclasses.dataclass(frozen=True)
 class LogSpec:
-  """config.log: transcripts (every N steps; 0 = never) and the progress bar."""
+  """config.log: transcripts (every N steps; 0 = never), the progress bar, W&B ('' = off)."""
   transcripts_every: int = 0
   progress_bar: bool = True
+  wandb_project: str = ""
+  wandb_entity: str = ""
+  wandb_run_name: str = ""
+
+  def __post_init__(self):  # before any model loads; find_spec does not import wandb
+    require("log.wandb_project", self.wandb_project, not self.wandb_project or
+            importlib.util.find_spec("wandb"), "'' without wandb (pip install 'rlver_jax[wandb]')")

@@ -5,6 +5,7 @@ Shape legend for packed batches: N samples (rows), M micro-batches, B rows per m
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -32,7 +33,8 @@ from rlver_jax.run import provenance
 from rlver_jax.run.checkpoint import Checkpointer, abstract_like
 from rlver_jax.run.metrics import MetricsWriter
 from rlver_jax.run.saved_config import (check_inputs_on_every_host, check_shared_workdir,
-                                        check_workdir_config, write_workdir_config)
+                                        check_workdir_config, config_json, write_workdir_config)
+from rlver_jax.run.wandb_writer import WandbOptions
 from rlver_jax.spec import RunSpec
 from rlver_jax.train.dynamic_sampling import Round, StepRollout, fill_informative
 from rlver_jax.train.call_metrics import take_sampler_calls, update_calls
@@ -72,7 +74,7 @@ class Trainer:
     self._sampler_after_step = self.profile_sampler.state_dict()
     self.checkpointer = Checkpointer(workdir, every_steps=spec.checkpoint.every_steps,
                                      keep=spec.checkpoint.keep)
-    self.writer = MetricsWriter(workdir)
+    self.writer = MetricsWriter(workdir, wandb=wandb_options(spec))
     self._logp_fn = jax.jit(self._old_logp)
     self._value_fn = jax.jit(self._old_values)
     write_workdir_config(spec.source, workdir)  # only now: every input above was found and loaded
@@ -325,6 +327,15 @@ class Trainer:
     if stats.simulator_cut_answers is not None:
       out["simulator/cut_answers"] = float(stats.simulator_cut_answers)
     return out
+
+
+def wandb_options(spec: RunSpec) -> WandbOptions | None:
+  """config.log's W&B settings with the config as WORKDIR/config.json holds it; None when off."""
+  log = spec.log
+  if not log.wandb_project:
+    return None
+  return WandbOptions(log.wandb_project, log.wandb_entity, log.wandb_run_name,
+                      json.loads(config_json(spec.source)))
 
 
 def summarize_rollout(dialogues: list[Dialogue]) -> dict[str, float]:

@@ -111,7 +111,7 @@ _BAD = [
     (spec_lib.CheckpointSpec, "keep", 0, "checkpoint.keep"),
     (spec_lib.CheckpointSpec, "preempt_deadline_s", 0.0, "checkpoint.preempt_deadline_s"),
     (spec_lib.EvalSpec, "max_turns", 0, "eval.max_turns"),
-    (spec_lib.EvalSpec, "policy_prompt", "sage", "eval.policy_prompt"),
+    (spec_lib.EvalSpec, "policy_prompt", "therapist", "eval.policy_prompt"),
     (spec_lib.EvalSpec, "start_emotion", -1, "eval.start_emotion"),
     (spec_lib.EvalSpec, "batch_size", 0, "eval.batch_size"),
     (spec_lib.EvalSpec, "top_k", -1, "eval.top_k"),

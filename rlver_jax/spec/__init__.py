@@ -11,14 +11,15 @@ must be in (0, 1)`.
 Everything below the CLIs takes these dataclasses; the typed settings of the lower layers
 (MeshConfig, LossConfig, OptimConfig, RolloutConfig) are leaves of the tree or built from it here.
 
-`sections`: the section dataclasses and their checks; `run`: RunSpec, EvaluationSpec and the
+`sections`: the section dataclasses and their checks (`rl_section`: config.rl's); `run`: RunSpec, EvaluationSpec and the
 conversion. May import the lower folders' constants, checks and typed settings (env, rl, sampling,
 parallel); never build, train, evaluation or run.
 """
 from rlver_jax.spec.run import EvaluationSpec, RunSpec
 from rlver_jax.spec.sections import (CheckpointSpec, ConfigError, CriticSpec, DataSpec, EvalSpec,
-                                     LogSpec, OptimSpec, PolicySpec, RLSpec, RolloutSpec,
+                                     LogSpec, OptimSpec, PolicySpec, RolloutSpec,
                                      SimulatorSpec, require)
+from rlver_jax.spec.rl_section import RLSpec
 
 __all__ = ["CheckpointSpec", "ConfigError", "CriticSpec", "DataSpec", "EvalSpec", "EvaluationSpec",
            "LogSpec", "OptimSpec", "PolicySpec", "RLSpec", "RolloutSpec", "RunSpec",

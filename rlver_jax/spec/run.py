@@ -12,8 +12,9 @@ from rlver_jax.parallel.sharding import MeshConfig
 from rlver_jax.rl.algorithms import ALGORITHMS, Algorithm, algorithm_named
 from rlver_jax.rl.update import LossConfig
 from rlver_jax.spec.sections import (CheckpointSpec, ConfigError, CriticSpec, DataSpec, EvalSpec,
-                                     LogSpec, OptimSpec, PolicySpec, RLSpec, RolloutSpec,
+                                     LogSpec, OptimSpec, PolicySpec, RolloutSpec,
                                      SimulatorSpec, require)
+from rlver_jax.spec.rl_section import RLSpec
 
 
 # -- ConfigDict -> sections ------------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""config.rl as a spec section: batch layout, advantages, rewards and the loss, each key checked
+(`sections` holds the other sections and the shared checks)."""
+from __future__ import annotations
+
+import dataclasses
+
+from rlver_jax.env.rollout import REWARD_MODES
+from rlver_jax.rl.algorithms import GROUP_STATS
+from rlver_jax.rl.losses import AGG_MODES, KL_KINDS, POLICY_LOSSES
+from rlver_jax.rl.rollout_correction import IS_CORRECTIONS
+from rlver_jax.rl.turn_credit import TURN_CREDITS
+from rlver_jax.spec.sections import ConfigError, _is_int, require
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSpec:
+  """config.rl: batch layout, advantages, rewards and the loss (configs/base.py says what each is)."""
+  profiles_per_step: int = 32
+  group_size: int = 4
+  shared_opening: bool = True
+  share_prefix: bool = True
+  epochs: int = 1
+  mini_batch_rows: int = -1
+  mini_batches: int = 1
+  micro_batch_size: int = 4
+  grpo_mean_only: bool = False
+  dynamic_sampling: bool = False
+  dynamic_sampling_max_rounds: int = 2
+  turn_credit: str = "none"
+  gamma: float = 1.0
+  lam: float = 1.0
+  whiten_advantages: bool = True
+  reward_mode: str = "terminal"
+  format_penalty: bool = False
+  group_stats: str = "dialogue"
+  clip_low: float = 0.2
+  clip_high: float = 0.2
+  dual_clip: float = 0.0
+  value_clip: float = 0.5
+  entropy_coef: float = 0.001
+  loss_agg: str = "token-mean"
+  loss_norm_len: int = 0
+  kl_coef: float = 0.0
+  kl_kind: str = "k3"
+  kl_in_reward: bool = False
+  tis_cap: float = 0.0
+  policy_loss: str = "ppo"
+  is_correction: str = "none"
+  is_cap: float = 2.0
+  logits_chunk: int = 1024
+
+  def __post_init__(self):
+    for key in ("profiles_per_step", "group_size", "epochs", "mini_batches", "micro_batch_size",
+                "logits_chunk"):
+      require(f"rl.{key}", getattr(self, key), getattr(self, key) >= 1, ">= 1")
+    require("rl.mini_batch_rows", self.mini_batch_rows, self.mini_batch_rows >= -1,
+            "-1 (profiles_per_step x group_size), 0 (use rl.mini_batches) or a row count")
+    # Counted in rows, the mini-batch count follows the rollout: a count given too would be ignored.
+    require("rl.mini_batches", self.mini_batches, self.mini_batches == 1 or self.mini_batch_rows == 0,
+            "1 unless rl.mini_batch_rows=0 (mini-batches are counted in rows otherwise)")
+    require("rl.loss_agg", self.loss_agg, self.loss_agg in AGG_MODES, f"one of {AGG_MODES}")
+    require("rl.kl_kind", self.kl_kind, self.kl_kind in KL_KINDS, f"one of {KL_KINDS}")
+    require("rl.dual_clip", self.dual_clip, self.dual_clip == 0 or self.dual_clip > 1,
+            "0 (off) or > 1")
+    require("rl.tis_cap", self.tis_cap, self.tis_cap >= 0, ">= 0 (0 = off)")
+    require("rl.reward_mode", self.reward_mode, self.reward_mode in REWARD_MODES,
+            f"one of {REWARD_MODES}")
+    require("rl.gamma", self.gamma, 0 <= self.gamma <= 1, "in [0, 1]")
+    require("rl.lam", self.lam, 0 <= self.lam <= 1, "in [0, 1]")
+    require("rl.clip_low", self.clip_low, 0 < self.clip_low < 1, "in (0, 1)")
+    require("rl.clip_high", self.clip_high, self.clip_high > 0, "> 0")
+    require("rl.value_clip", self.value_clip, self.value_clip >= 0, ">= 0 (0 = off)")
+    require("rl.entropy_coef", self.entropy_coef, self.entropy_coef >= 0, ">= 0")
+    require("rl.kl_coef", self.kl_coef, self.kl_coef >= 0, ">= 0")
+    if self.loss_norm_len < 0:
+      raise ConfigError(f"config.rl.loss_norm_len={self.loss_norm_len}: must be >= 0 "
+                        "(0 = policy.max_context)")
+    self._check_grpo_options()
+    _check_policy_loss(self)
+
+  def _check_grpo_options(self) -> None:
+    require("rl.dynamic_sampling", self.dynamic_sampling, isinstance(self.dynamic_sampling, bool),
+            "True or False")
+    rounds = self.dynamic_sampling_max_rounds
+    require("rl.dynamic_sampling_max_rounds", rounds, _is_int(rounds) and rounds >= 0,
+            "an int >= 0 (extra rollout rounds per step)")
+    require("rl.turn_credit", self.turn_credit, self.turn_credit in TURN_CREDITS,
+            f"one of {TURN_CREDITS}")
+    require("rl.group_stats", self.group_stats, self.group_stats in GROUP_STATS,
+            f"one of {GROUP_STATS}")
+
+  @property
+  def correction(self) -> tuple[str, float]:
+    """(rollout correction, its cap): rl.tis_cap = c > 0, the older spelling, is token_tis at c."""
+    if self.tis_cap > 0:
+      return "token_tis", self.tis_cap
+    return self.is_correction, self.is_cap
+
+  @property
+  def rows_per_mini_batch(self) -> int:
+    """rl.mini_batch_rows resolved: -1 = one step's dialogues (profiles_per_step x group_size, the
+    reference's mini-batch), 0 = off (a fixed rl.mini_batches per step), else that many rows."""
+    if self.mini_batch_rows == -1:
+      return self.profiles_per_step * self.group_size
+    return self.mini_batch_rows
+
+  @property
+  def dialogues_per_step(self) -> int:
+    return self.profiles_per_step * self.group_size
+
+
+def _check_policy_loss(rl: RLSpec) -> None:
+  """rl.policy_loss, rl.is_correction / rl.is_cap and the old rl.tis_cap beside them."""
+  require("rl.policy_loss", rl.policy_loss, rl.policy_loss in POLICY_LOSSES,
+          f"one of {POLICY_LOSSES}")
+  require("rl.dual_clip", rl.dual_clip, rl.dual_clip == 0 or rl.policy_loss != "cispo",
+          "0 with rl.policy_loss='cispo' (its clipped ratio is a weight, there is no surrogate to cap)")
+  require("rl.is_correction", rl.is_correction, rl.is_correction in IS_CORRECTIONS,
+          f"one of {IS_CORRECTIONS}")
+  require("rl.is_cap", rl.is_cap, rl.is_cap > 1, "> 1 (masks keep ratios in [1/is_cap, is_cap])")
+  require("rl.tis_cap", rl.tis_cap, rl.tis_cap == 0 or rl.is_correction == "none",
+          f"0 when rl.is_correction is set ({rl.is_correction!r}): rl.tis_cap=c is the older spelling "
+          "of rl.is_correction='token_tis' with rl.is_cap=c")

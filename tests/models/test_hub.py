@@ -123,3 +123,58 @@ def test_a_training_run_reads_its_policy_from_the_hub_and_records_the_commit(cac
   assert trainer.policy_path == str(_snapshot(cache))
   start, = json.loads((tmp_path / "run" / "provenance.json").read_text())
   assert start["hub_checkpoints"] == {"policy.checkpoint": {"id": "org/tiny", "commit": COMMIT}}
+
+
+_HOST = """
+import json, sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=sys.argv[2], num_processes=2, process_id=int(sys.argv[1]))
+from rlver_jax.models.io import hub
+try:
+  print(json.dumps({"path": hub.resolve("org/tiny", "config.policy.checkpoint")}))
+except hub.HubError as e:
+  print(json.dumps({"error": str(e)}))
+"""
+
+
+def _two_hosts(caches) -> list[dict]:
+  """hub.resolve("org/tiny") on 2 processes (one per host), offline, each with its own cache."""
+  import json
+  import os
+  import subprocess
+  import sys
+  from gcs_emulator import free_port
+  address = f"127.0.0.1:{free_port()}"
+  procs = [subprocess.Popen(
+      [sys.executable, "-c", _HOST, str(i), address], stdout=subprocess.PIPE, text=True,
+      env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.environ.get("PYTHONPATH", ""),
+               HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")) for i, cache in enumerate(caches)]
+  try:
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  assert [p.returncode for p in procs] == [0, 0], outs
+  return [json.loads(out.strip().splitlines()[-1]) for out in outs]
+
+
+def test_every_host_loads_process_zeros_commit_or_all_stop(world, tmp_path):
+  # Host 1's main has moved on (commit B), but it holds A too: it loads A, as host 0 does.
+  other = hub_cache.commit_hash("tiny-2")
+  cache0, cache1, empty = tmp_path / "c0", tmp_path / "c1", tmp_path / "empty"
+  hub_cache.add_snapshot(cache0, "org/tiny", world["policy"], COMMIT)
+  hub_cache.add_snapshot(cache1, "org/tiny", world["policy"], COMMIT)
+  hub_cache.add_snapshot(cache1, "org/tiny", world["policy"], other)
+  got = _two_hosts([cache0, cache1])
+  assert [hub.commit_of(g["path"]) for g in got] == [COMMIT, COMMIT], got
+  # Host 1 lacks the model: both stop, each with one line (host 1's names why).
+  host0, host1 = _two_hosts([cache0, empty])
+  assert host0["error"] == (f"config.policy.checkpoint=org/tiny: processes [1] of 2 could not get "
+                            f"commit {COMMIT} (their own errors say why)")
+  assert host1["error"].startswith(f"config.policy.checkpoint=org/tiny: no such local directory, "
+                                   f"it is not in the Hugging Face cache {empty}, and HF_HUB_OFFLINE=1")
+  # Host 0 lacks it: both stop with host 0's line.
+  assert _two_hosts([empty, cache1])[1]["error"].startswith(
+      "config.policy.checkpoint=org/tiny: no such local directory, it is not in the Hugging Face "
+      f"cache {empty}")

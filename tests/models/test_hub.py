@@ -178,3 +178,23 @@ def test_every_host_loads_process_zeros_commit_or_all_stop(world, tmp_path):
   assert _two_hosts([empty, cache1])[1]["error"].startswith(
       "config.policy.checkpoint=org/tiny: no such local directory, it is not in the Hugging Face "
       f"cache {empty}")
+
+
+def test_training_with_a_model_the_cache_lacks_stops_with_one_line(world, tmp_path):
+  import os
+  import subprocess
+  import sys
+  flags = tiny_world.cli_flags(world, "grpo", str(tmp_path / "run"), 1,
+                               **{"policy.checkpoint": "Qwen/Qwen2.5-7B-Instruct"})
+  proc = subprocess.run([sys.executable, "-m", "rlver_jax.main", *flags], capture_output=True,
+                        text=True, timeout=300, env=dict(
+                            os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1",
+                            HF_HUB_CACHE=str(tmp_path / "empty"),
+                            PYTHONPATH=os.environ.get("PYTHONPATH", "")))
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "error: config.policy.checkpoint=Qwen/Qwen2.5-7B-Instruct: no such local directory, it is not "
+      f"in the Hugging Face cache {tmp_path / 'empty'}, and HF_HUB_OFFLINE=1 forbids downloading it: "
+      "download it where the Hub is reachable (HF_HUB_OFFLINE unset) or point HF_HUB_CACHE at a cache "
+      "that holds it")

@@ -39,7 +39,8 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.total_steps = 210 if algo == "grpo" else 350
 
   c.policy = ml_collections.ConfigDict()
-  c.policy.checkpoint = "gs://YOUR_BUCKET/models/Qwen2.5-7B-Instruct"  # HF safetensors directory
+  # HF safetensors directory (local or gs://), or a Hub id ORG/NAME[@REV] (docs/OPTIONS.md)
+  c.policy.checkpoint = "gs://YOUR_BUCKET/models/Qwen2.5-7B-Instruct"
   # Architecture preset for `python -m rlver_jax.aot` only (it compiles without reading checkpoints);
   # training reads the architecture from the checkpoint. "NAME:L" keeps NAME's widths with L layers.
   c.policy.preset = "qwen2.5-7b"

@@ -17,6 +17,7 @@ from rlver_jax.env import backends as sim_backends
 from rlver_jax.env.model_backend import ModelBackend
 from rlver_jax.env.profiles import DEMO_PROFILE_SETS, Profile, load_profiles
 from rlver_jax.models import load_pretrained
+from rlver_jax.models.io import hub
 from rlver_jax.models.presets import from_hf_config, param_dtype_of
 from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
 from rlver_jax.parallel.sharding import MeshConfig, make_mesh
@@ -44,27 +45,31 @@ def checkpoint_dir(path: str) -> str:
 
 
 def resolve_checkpoint(path: str, key: str) -> str:
-  """'embedded' -> the converted embedded model; otherwise the path, which must exist."""
+  """The local or gs:// directory of a checkpoint setting, which must hold an HF checkpoint:
+  'embedded' is the converted embedded model, a Hub id (`ORG/NAME[@REV]`, `models.io.hub`) its
+  snapshot in the Hugging Face cache, downloaded if need be. `key` names the setting in errors:
+  a config key ("policy.checkpoint") or a flag ("--checkpoint")."""
+  setting = key if key.startswith("--") else f"config.{key}"
   if path == "embedded":
     return checkpoint_dir(path)
   if not path:
-    raise ConfigError(f"config.{key} is empty: give an HF safetensors directory or 'embedded'")
+    raise ConfigError(f"{setting} is empty: give an HF safetensors directory, a Hub id or 'embedded'")
+  if hub.is_hub_id(path):
+    path = hub.resolve(path, setting)
   if not path.startswith("gs://") and not os.path.isdir(path):
-    raise ConfigError(f"config.{key}: checkpoint directory {path} does not exist")
+    raise ConfigError(f"{setting}: checkpoint directory {path} does not exist")
   if not epath.Path(path).joinpath("config.json").exists():
-    raise ConfigError(f"config.{key}: {path} has no config.json (not an HF checkpoint directory)")
+    raise ConfigError(f"{setting}: {path} has no config.json (not an HF checkpoint directory)")
   return path
 
 
 def input_paths(spec: RunSpec | EvaluationSpec) -> dict[str, str]:
   """The files and directories a run reads, by config key ('embedded' checkpoints and shipped demo
-  profiles left out: they ship in packages every host has). Only training reads a critic."""
-  paths = {"data.profiles": spec.data.profiles, "policy.checkpoint": spec.policy.checkpoint}
-  if isinstance(spec, RunSpec) and spec.algorithm.has_critic:
-    paths["critic.checkpoint"] = spec.critic.checkpoint
-  if spec.simulator.backend == "model":
-    paths["simulator.checkpoint"] = spec.simulator.checkpoint
-  return {k: v for k, v in paths.items() if v and v not in ("embedded", *DEMO_PROFILE_SETS)}
+  profiles left out: they ship in packages every host has; Hub ids too: each host resolves them
+  from its own cache). Only training reads a critic."""
+  paths = {"data.profiles": spec.data.profiles, **spec.checkpoints}
+  return {k: v for k, v in paths.items()
+          if v and v not in ("embedded", *DEMO_PROFILE_SETS) and not hub.is_hub_id(v)}
 
 
 def profiles_from(path: str) -> list[Profile]:

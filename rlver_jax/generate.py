@@ -2,9 +2,10 @@ r"""Chat with or generate from a checkpoint on the KV-cached sampler.
 
   python -m rlver_jax.generate --chat --prompt="How do I calm down before an exam?"
   python -m rlver_jax.generate --checkpoint=DIR --prompt=TEXT --temperature=0 --output_json=out.json
-  python -m rlver_jax.generate --chat --interactive
+  python -m rlver_jax.generate --chat --interactive --checkpoint=Qwen/Qwen2.5-0.5B-Instruct
 
-The default checkpoint is the embedded SmolLM2-135M-Instruct. `--temperature=0` is greedy.
+The default checkpoint is the embedded SmolLM2-135M-Instruct; a Hub id (`ORG/NAME[@REV]`) is read
+from the Hugging Face cache, downloaded if need be. `--temperature=0` is greedy.
 """
 from __future__ import annotations
 
@@ -20,14 +21,15 @@ from flax import nnx
 from rlver_jax.build import check_context
 from rlver_jax.cli.errors import exit_on
 from rlver_jax.models import load_pretrained
-from rlver_jax.models.io import storage
+from rlver_jax.models.io import hub, storage
 from rlver_jax.models.presets import param_dtype_of
 from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
 from rlver_jax.cli.flags import parse_flags
 from rlver_jax.sampling.sampler import Sampler
 from rlver_jax.sampling.strategies import SamplingParams
 
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "HF safetensors directory (default: embedded model).")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "HF safetensors directory or Hub id ORG/NAME[@REV] "
+                                  "(default: embedded model).")
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (the first user turn with --chat).")
 _SYSTEM = flags.DEFINE_string("system", None, "System prompt with --chat (default: the template's own).")
 _CHAT = flags.DEFINE_bool("chat", False, "Render the prompt with the checkpoint's chat template.")
@@ -89,12 +91,16 @@ def _interactive(sampler: Sampler, params, chat: ChatTokens, system: str | None,
       cache, logits = sampler.append(params, cache, [[chat.im_end]])
 
 
-def check_checkpoint(path: str) -> None:
-  """A local or gs:// Hugging Face checkpoint directory, checked before anything loads."""
+def check_checkpoint(path: str) -> str:
+  """The local or gs:// Hugging Face checkpoint directory of --checkpoint (a Hub id's cached snapshot),
+  checked before anything loads."""
+  if hub.is_hub_id(path):
+    path = hub.resolve(path, "--checkpoint")
   if not storage.is_gcs(path) and not os.path.isdir(path):
     raise FileNotFoundError(f"--checkpoint={path}: no such directory")
   if not storage.exists(storage.join(path, "config.json")):
     raise FileNotFoundError(f"--checkpoint={path}: no config.json there (not a Hugging Face checkpoint)")
+  return path
 
 
 def _check_output_json(path: str) -> None:
@@ -108,8 +114,9 @@ def _check_output_json(path: str) -> None:
     raise ValueError(f"--output_json={path}: directory {parent} is not writable")
 
 
-def _check_flags() -> SamplingParams:
-  """Validates the flags before the model loads; returns the sampling settings."""
+def _check_flags() -> tuple[SamplingParams, str | None]:
+  """Validates the flags before the model loads; returns the sampling settings and the checkpoint
+  directory (None: the embedded model)."""
   if _INTERACTIVE.value:
     # The terminal supplies every turn and prints every reply, one conversation (batch 1).
     for name in ("prompt", "output_json", "batch_size"):
@@ -126,9 +133,10 @@ def _check_flags() -> SamplingParams:
       raise ValueError(f"--{name}={flag.value}: must be >= {low}")
   if _OUTPUT_JSON.value:
     _check_output_json(_OUTPUT_JSON.value)
-  if _CHECKPOINT.value is not None:
-    check_checkpoint(_CHECKPOINT.value)
-  return SamplingParams.make(_TEMPERATURE.value, _TOP_P.value, _TOP_K.value)
+  sampling = SamplingParams.make(_TEMPERATURE.value, _TOP_P.value, _TOP_K.value)
+  # Last: a Hub id may download.
+  checkpoint = check_checkpoint(_CHECKPOINT.value) if _CHECKPOINT.value is not None else None
+  return sampling, checkpoint
 
 
 def _check_prompt(ids: list[int]) -> None:
@@ -148,8 +156,7 @@ def main(argv):
 
 
 def _generate():
-  sp = _check_flags()
-  checkpoint = _CHECKPOINT.value
+  sp, checkpoint = _check_flags()
   if checkpoint is None:
     from rlver_jax.models.embedded import embedded_model_dir
     checkpoint = embedded_model_dir()

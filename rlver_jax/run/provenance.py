@@ -1,7 +1,8 @@
 """What a run's results depend on beyond its config: the prompt texts (they live in code) and the
-code version, and the training profiles' contents. Written to WORKDIR/provenance.json; a resume with
-different prompt texts or profiles is refused, since mixing them in one run changes what the policy
-is trained on.
+code version, the training profiles' contents, and the commit each Hub-id checkpoint resolved to.
+Written to WORKDIR/provenance.json; a resume with different prompt texts or profiles is refused,
+since mixing them in one run changes what the policy is trained on. A Hub branch that moved between
+starts is only warned about: the config cannot be changed to pin it on resume.
 """
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import subprocess
 from typing import Sequence
 
 import jax
+from absl import logging
 from etils import epath
 
 from rlver_jax.env import simulator_prompts as sim_prompts
 from rlver_jax.env.chat import policy_system_prompt
 from rlver_jax.env.profiles import Profile
+from rlver_jax.models.io import hub
 from rlver_jax.parallel.process_zero import on_process_zero
 from rlver_jax.run.saved_config import ConfigConflictError
 
@@ -59,10 +62,22 @@ def git_commit() -> str:
   return head + ("+dirty" if dirty else "")
 
 
+def hub_checkpoints(spec) -> dict[str, dict[str, str]]:
+  """Config key -> {"id", "commit"} of each checkpoint set to a Hub id. Resolving one downloads it
+  if this process has not yet (with several processes, all call this at the same point); the
+  loaders then reuse that snapshot."""
+  return {key: {"id": setting, "commit": hub.commit_of(hub.resolve(setting, f"config.{key}"))}
+          for key, setting in spec.checkpoints.items() if setting and hub.is_hub_id(setting)}
+
+
 def describe(spec) -> dict:
   """This start's provenance; `spec` is the run's RunSpec or EvaluationSpec."""
-  return {"prompts_sha256": prompts_sha256(spec.policy.think, spec.simulator.style),
-          "git_commit": git_commit(), "jax": jax.__version__}
+  now = {"prompts_sha256": prompts_sha256(spec.policy.think, spec.simulator.style),
+         "git_commit": git_commit(), "jax": jax.__version__}
+  checkpoints = hub_checkpoints(spec)
+  if checkpoints:
+    now["hub_checkpoints"] = checkpoints
+  return now
 
 
 def profiles_sha256(profiles: Sequence[Profile]) -> str:
@@ -91,7 +106,18 @@ def check(spec, workdir: str,
         raise ConfigConflictError(
             f"{path}: {what} changed since this run started ({key} {first[:12]} -> "
             f"{now[key][:12]}); use a new --workdir")
+    _warn_moved_branches(history, now.get("hub_checkpoints", {}))
   return now
+
+
+def _warn_moved_branches(history: list[dict], checkpoints: dict[str, dict[str, str]]) -> None:
+  for key, now in checkpoints.items():
+    first = next((h["hub_checkpoints"][key] for h in history
+                  if key in h.get("hub_checkpoints", {})), None)
+    if first is not None and first["id"] == now["id"] and first["commit"] != now["commit"]:
+      logging.warning("config.%s=%s is commit %s now, %s when this run started (the branch moved); "
+                      "pin ORG/NAME@COMMIT in new runs to keep one", key, now["id"], now["commit"],
+                      first["commit"])
 
 
 def append(workdir: str, now: dict) -> None:

@@ -16,7 +16,7 @@ from flax import nnx
 
 from rlver_jax import build
 from rlver_jax.models import export_pretrained
-from rlver_jax.models.io import storage
+from rlver_jax.models.io import hub, storage
 from rlver_jax.models.io import safetensors as st
 from rlver_jax.models.factory import abstract_model, state_shardings
 from rlver_jax.models.presets import from_hf_config, param_dtype_of
@@ -119,10 +119,12 @@ def _check_out(out: str, workdir: str, overwrite: bool) -> None:
 
 
 def _input_checkpoints(spec: RunSpec) -> dict[str, str]:
-  """config key -> directory of each checkpoint the run reads (base policy, critic, simulator)."""
+  """config key -> directory of each checkpoint the run reads (base policy, critic, simulator);
+  Hub ids left out: their snapshots live in the Hugging Face cache, not at a path one exports to."""
   paths = {"policy.checkpoint": spec.policy.checkpoint, "critic.checkpoint": spec.critic.checkpoint,
            "simulator.checkpoint": spec.simulator.checkpoint}
-  return {key: build.checkpoint_dir(path) for key, path in paths.items() if path}
+  return {key: build.checkpoint_dir(path) for key, path in paths.items()
+          if path and not hub.is_hub_id(path)}
 
 
 def _check_not_an_input(out: str, spec: RunSpec) -> None:

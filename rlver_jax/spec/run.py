@@ -66,6 +66,15 @@ def _rollout_config(policy: PolicySpec, rl: RLSpec, prompt: str, *, eval_mode: b
                        rows=rows, history_chars=0 if eval_mode else history_chars)
 
 
+def _checkpoints(policy: PolicySpec, simulator: SimulatorSpec, critic: str = "") -> dict[str, str]:
+  out = {"policy.checkpoint": policy.checkpoint}
+  if critic:
+    out["critic.checkpoint"] = critic
+  if simulator.backend == "model":
+    out["simulator.checkpoint"] = simulator.checkpoint
+  return out
+
+
 # -- the run specs --------------------------------------------------------------------------------
 
 
@@ -145,6 +154,12 @@ class RunSpec:
     return algorithm_named(self.algo, self.rl)
 
   @property
+  def checkpoints(self) -> dict[str, str]:
+    """Config key -> setting of every checkpoint the run reads (a critic only if it has one)."""
+    critic = self.critic.checkpoint if self.algorithm.has_critic else ""
+    return _checkpoints(self.policy, self.simulator, critic)
+
+  @property
   def evaluating(self) -> bool:
     """Whether the run evaluates on its held-out profiles (every eval.every_steps steps)."""
     return self.eval.every_steps > 0
@@ -196,3 +211,8 @@ class EvaluationSpec:
 
   def rollout_config(self) -> RolloutConfig:
     return _rollout_config(self.policy, RLSpec(), self.eval.policy_prompt, eval_mode=True)
+
+  @property
+  def checkpoints(self) -> dict[str, str]:
+    """Config key -> setting of every checkpoint the evaluation reads."""
+    return _checkpoints(self.policy, self.simulator)

@@ -1,3 +1,4 @@
 """Checkpoint I/O for the models: Hugging Face config and weights (`hf`), the safetensors format
-(`safetensors`), and gs:// access (`storage`). May import: models' presets and parallel.
+(`safetensors`), gs:// access (`storage`), and Hub ids resolved to huggingface_hub's cache (`hub`).
+May import: models' presets and parallel.
 """

@@ -3,8 +3,9 @@ with their abstract inputs (`programs`; the update's batch is `rl.batch.UpdateBa
 whole-run memory plan (`plan`), TPU slices and their HBM (`topology`), compiling and the memory
 report (`report`), and the command line (`cli`, run as `python -m rlver_jax.aot`). The step-time model
 (`--estimate_time`): one call of each program at a chosen shape (`call_programs`), a step's calls
-(`step_calls`), chips' peak FLOP/s and bandwidths (`chips`), collectives' bytes from the HLO
-(`collectives`), the roofline per call and per phase (`step_time`) and its flags (`step_time_cli`).
+(`step_calls`), chips' peak FLOP/s, bandwidths and link latency (`chips`), collectives' bytes and
+ring steps from the HLO (`collectives`), the roofline per call and per phase (`step_time`) and its
+flags (`step_time_cli`).
 
 May import: models, sampling, rl, parallel, cli, build, spec.
 Nothing imports it but its CLI and tests.

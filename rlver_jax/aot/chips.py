@@ -10,6 +10,9 @@ are one megacore device), dense bf16:
   H200 SXM 989 TFLOP/s, 4.8 TB/s HBM3e     NVIDIA H200 Tensor Core GPU datasheet (dense, no sparsity)
 Interconnect per chip (all links, the same pages): v5p 4,800 Gbps, v5e 1,600 Gbps, v4 2,400 Gbps,
 v6e 3,584 Gbps (ICI); H100 / H200 900 GB/s (NVLink 4).
+Latency per ring step of a collective: 1 us on every TPU family, an assumption: the ICI link latency
+ASTRA-sim models TPUs with ("1 us, as per TPU research team", astra-sim.github.io, validation on
+TPU-v3), unmeasured here; a small all-reduce over 8 devices then takes 14 us. GPUs: none known (0).
 Real programs reach a fraction of these; the model says so in its assumptions.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ class ChipSpec:
   flops_per_s: float       # peak dense FLOP/s in the compute dtype (bf16)
   bytes_per_s: float       # peak memory (HBM) bandwidth
   link_bytes_per_s: float = 0.0  # interconnect bandwidth per chip, all links (0: unknown)
+  hop_latency_s: float = 0.0     # latency of one ring step of a collective (0: unknown)
 
   def __post_init__(self):
     if not (self.flops_per_s > 0 and self.bytes_per_s > 0):
@@ -30,11 +34,13 @@ class ChipSpec:
                        f"{self.flops_per_s:g} and {self.bytes_per_s:g}")
 
 
+_ICI_HOP_S = 1e-6
+
 CHIPS: dict[str, ChipSpec] = {
-    "v5p": ChipSpec("TPU v5p", 459e12, 2765e9, 4800e9 / 8),
-    "v5e": ChipSpec("TPU v5e", 197e12, 819e9, 1600e9 / 8),
-    "v4": ChipSpec("TPU v4", 275e12, 1200e9, 2400e9 / 8),
-    "v6e": ChipSpec("TPU v6e", 918e12, 1640e9, 3584e9 / 8),
+    "v5p": ChipSpec("TPU v5p", 459e12, 2765e9, 4800e9 / 8, _ICI_HOP_S),
+    "v5e": ChipSpec("TPU v5e", 197e12, 819e9, 1600e9 / 8, _ICI_HOP_S),
+    "v4": ChipSpec("TPU v4", 275e12, 1200e9, 2400e9 / 8, _ICI_HOP_S),
+    "v6e": ChipSpec("TPU v6e", 918e12, 1640e9, 3584e9 / 8, _ICI_HOP_S),
     "h100": ChipSpec("NVIDIA H100 SXM", 989e12, 3.35e12, 900e9),
     "h200": ChipSpec("NVIDIA H200 SXM", 989e12, 4.8e12, 900e9),
 }

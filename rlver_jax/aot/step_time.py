@@ -2,8 +2,10 @@
 times the step's calls (`aot.step_calls`: recorded by the trainer, or from stated lengths).
 
 Per call (per device: an SPMD program's cost is one partition's): seconds = max(flops / peak FLOP/s,
-bytes accessed / memory bandwidth), the chip's nominal peaks (`aot.chips`). Collectives (ICI), host
-work between calls (token parsing, the simulator's text) and dispatch are not in it.
+bytes accessed / memory bandwidth), the chip's nominal peaks (`aot.chips`). The collectives (ICI) are
+priced apart, as link time = their bytes / link bandwidth + their ring steps x the per-hop latency
+(`aot.collectives`): the "with link time" figures take the larger of that and the roofline. Host work
+between calls (token parsing, the simulator's text) and dispatch are not in it.
 
 XLA's cost analysis counts a loop body once. So the programs are traced with their loops unrolled
 (layer scans, query-block and logits-chunk maps, the top-p bisection: `unrolled_loops`) at 2 and 3
@@ -25,7 +27,7 @@ from jax.sharding import Mesh
 from rlver_jax.aot import call_programs as cp
 from rlver_jax.aot import programs as ap
 from rlver_jax.aot.chips import ChipSpec
-from rlver_jax.aot.collectives import collective_bytes
+from rlver_jax.aot.collectives import collective_links
 from rlver_jax.aot.step_calls import Calls, sampler_keys
 from rlver_jax.sampling.sampler import window_buckets
 
@@ -34,20 +36,24 @@ PHASES = ("policy decode", "simulator decode", "prefills", "update")
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
-  """Per-device work of one call: floating-point operations, bytes of memory accessed, and bytes
-  sent over the interconnect by its collectives (`aot.collectives`)."""
+  """Per-device work of one call: floating-point operations, bytes of memory accessed, and its
+  collectives (`aot.collectives`): bytes sent over the interconnect, how many, and their ring steps
+  (each paying the link's latency). Counts are floats: extrapolated like the bytes."""
   flops: float
   bytes: float
   link_bytes: float = 0.0
+  link_ops: float = 0.0
+  link_hops: float = 0.0
 
   def __add__(self, other: "Cost") -> "Cost":
-    return Cost(self.flops + other.flops, self.bytes + other.bytes, self.link_bytes + other.link_bytes)
+    return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
   def scaled(self, k: float) -> "Cost":
-    return Cost(self.flops * k, self.bytes * k, self.link_bytes * k)
+    return Cost(*(a * k for a in dataclasses.astuple(self)))
 
   def times(self, chip: ChipSpec) -> dict[str, float]:
     link = self.link_bytes / chip.link_bytes_per_s if chip.link_bytes_per_s else 0.0
+    link += self.link_hops * chip.hop_latency_s
     return {"compute": self.flops / chip.flops_per_s, "memory": self.bytes / chip.bytes_per_s,
             "collectives": link}
 
@@ -133,8 +139,9 @@ def compiled_cost(fn, args, mesh: Mesh) -> Cost:
                      "count one iteration")
   analysis = compiled.cost_analysis()
   analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+  links = collective_links(compiled.as_text(), mesh.devices.size).values()
   return Cost(float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0)),
-              collective_bytes(compiled.as_text()))
+              sum(k.bytes for k in links), sum(k.ops for k in links), sum(k.hops for k in links))
 
 
 def _depths(layers: int) -> tuple[int, ...]:
@@ -246,18 +253,20 @@ def estimate(model: CostModel, calls: Calls, chip: ChipSpec) -> dict[str, PhaseT
 
 def format_estimate(phases: dict[str, PhaseTime], chip: ChipSpec, measured: dict[str, float],
                     header: str) -> str:
-  """The phases as a Markdown table, the total, the measured seconds if known, and the assumptions."""
+  """The phases as a Markdown table, the total, the measured seconds if known, and the assumptions.
+  "collectives" counts the collective ops a device runs; "seconds with link time" prices each call at
+  the larger of its roofline and its link time (bytes over the link plus every ring step's latency)."""
   lines = [header, "", "| phase | calls | TFLOP / device | HBM GB / device | link GB / device | "
-           "seconds (roofline) | bound | seconds with link time |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "collectives | seconds (roofline) | bound | seconds with link time |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for name, p in phases.items():
     lines.append(f"| {name} | {p.calls:,.0f} | {p.cost.flops / 1e12:.3f} | {p.cost.bytes / 1e9:.2f} | "
-                 f"{p.cost.link_bytes / 1e9:.2f} | {p.seconds:.3f} | {p.bound} | "
+                 f"{p.cost.link_bytes / 1e9:.2f} | {p.cost.link_ops:,.0f} | {p.seconds:.3f} | {p.bound} | "
                  f"{p.seconds_with_links:.3f} |")
   total = sum(p.seconds for p in phases.values())
   rollout = total - phases["update"].seconds
   linked = sum(p.seconds_with_links for p in phases.values())
-  lines.append(f"| step | | | | | {total:.3f} | rollout {rollout:.3f} s, update "
+  lines.append(f"| step | | | | | | {total:.3f} | rollout {rollout:.3f} s, update "
                f"{phases['update'].seconds:.3f} s | {linked:.3f} |")
   if "rollout_seconds" in measured:
     got = measured["rollout_seconds"] + measured.get("update_seconds", 0.0)
@@ -268,10 +277,11 @@ def format_estimate(phases: dict[str, PhaseTime], chip: ChipSpec, measured: dict
                  f"(update), {got / max(total, 1e-12):.2f} (step)")
   lines.append(f"\nassumptions: {chip.name} at {chip.flops_per_s / 1e12:g} TFLOP/s, "
                f"{chip.bytes_per_s / 1e9:g} GB/s memory and {chip.link_bytes_per_s / 1e9:g} GB/s "
-               "interconnect per device; each call at the larger of its FLOP and memory time (XLA's "
+               f"interconnect per device, {chip.hop_latency_s * 1e6:g} us per ring step of a "
+               "collective; each call at the larger of its FLOP and memory time (XLA's "
                "cost analysis per device, loops unrolled, 2-3 layers extrapolated, windows "
                "interpolated), the last column also at its collectives' link time if larger (bytes "
-               "from the HLO, ring algorithms, no overlap assumed beyond the max); no host work or "
+               "and ops from the HLO, ring algorithms, no overlap assumed beyond the max); no host work or "
                "dispatch; the optimizer update "
                "counted once per micro-batch; scoring passes (old and reference log-probs, critic "
                "values) costed as the policy's log-prob pass.")

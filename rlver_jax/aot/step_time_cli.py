@@ -10,6 +10,7 @@ defaults to the config's budget, a lockstep step in which every turn uses its wh
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import jax
@@ -67,8 +68,8 @@ def _chip(devices) -> ChipSpec:
     nominal = chip_for_kind(devices[0].device_kind)
   except ValueError as e:
     raise AotError(str(e)) from None
-  return ChipSpec(nominal.name, _FLOPS.value or nominal.flops_per_s,
-                  _BANDWIDTH.value or nominal.bytes_per_s, nominal.link_bytes_per_s)
+  return dataclasses.replace(nominal, flops_per_s=_FLOPS.value or nominal.flops_per_s,
+                             bytes_per_s=_BANDWIDTH.value or nominal.bytes_per_s)
 
 
 def _calls(config, mesh):

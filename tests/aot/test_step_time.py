@@ -13,7 +13,6 @@ from absl.testing import flagsaver
 
 from rlver_jax.aot import step_calls, step_time, step_time_cli
 from rlver_jax.aot.chips import CHIPS, ChipSpec, chip_for_kind
-from rlver_jax.aot.collectives import collective_bytes
 from rlver_jax.aot.step_time import Cost, PhaseTime, extrapolate
 
 _REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -52,21 +51,25 @@ def test_phase_sums_and_dominant_bound_by_hand():
   assert p.cost == Cost(6e12, 7e9, 8e9) and p.bound == "memory (60% of its time)"
 
 
-def test_collective_bytes_from_hlo_by_hand():
-  hlo = "\n".join([
-      # 4 devices gather a [1024, 512] bf16 weight: each receives 3/4 of 1 MiB.
-      "  %all-gather.5 = bf16[1024,512]{1,0} all-gather(%p), channel_id=3, "
-      "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, dimensions={0}",
-      # 8 devices (both axes) all-reduce 1000 f32: 2 x 7/8 x 4000 bytes.
-      "  %all-reduce.1 = f32[1000]{0} all-reduce(%g), channel_id=4, "
-      "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0','axis_1'}, to_apply=%add",
-      # An async start's tuple holds its input and output: the output (the larger) counts, once.
-      "  %all-gather-start = (f32[8]{0}, f32[16]{0}) all-gather-start(%q), replica_groups={{0,1}}",
-      "  %all-gather-done = f32[16]{0} all-gather-done(%all-gather-start)",
-      "  %reduce-scatter = f32[250]{0} reduce-scatter(%r), replica_groups={{0,1,2,3}}, dimensions={0}",
-      "  %fusion = f32[64]{0} fusion(%all-gather.5), kind=kLoop"])
-  expected = 0.75 * 1024 * 512 * 2 + 2 * 7 / 8 * 4000 + 0.5 * 64 + 3 * 1000
-  assert collective_bytes(hlo) == pytest.approx(expected)
+def test_link_time_adds_every_ring_step_latency_by_hand():
+  """A tensor-parallel decode step: 160 small all-reduces over 8 devices (2 x 7 ring steps each)."""
+  step = Cost(0, 2.765e9, link_bytes=6e6, link_ops=160, link_hops=160 * 14)
+  v5p = CHIPS["v5p"]
+  assert v5p.hop_latency_s == 1e-6 and v5p.link_bytes_per_s == 600e9
+  link = 6e6 / 600e9 + 160 * 14 * 1e-6                     # 10 us of bytes + 2.24 ms of latency
+  assert step.times(v5p)["collectives"] == pytest.approx(link)
+  assert step.seconds(v5p) == pytest.approx(1e-3)           # the roofline: 1 ms of HBM
+  assert step.seconds(v5p, collectives=True) == pytest.approx(link)
+  # Counts add, scale and extrapolate like the bytes: 2 layers at 100 steps, 3 at 150 -> 28 at 1,400.
+  assert extrapolate({2: Cost(0, 0, 0, 10, 100), 3: Cost(0, 0, 0, 15, 150)}, 28) == Cost(0, 0, 0, 140, 1400)
+  p = PhaseTime()
+  p.add(step, 1000, v5p)
+  assert p.cost.link_ops == 160_000 and p.seconds_with_links == pytest.approx(1000 * link)
+  table = step_time.format_estimate({"policy decode": p, "update": PhaseTime()}, v5p, {}, "h")
+  assert ("| policy decode | 1,000 | 0.000 | 2765.00 | 6.00 | 160,000 | 1.000 | "
+          "memory (100% of its time) | 2.250 |") in table and "1 us per ring step" in table
+  assert CHIPS["h100"].hop_latency_s == 0   # none known: the bytes alone
+  assert step.times(CHIPS["h100"])["collectives"] == pytest.approx(6e6 / 900e9)
 
 
 def test_extrapolation_to_depth_and_window_by_hand():

@@ -1,8 +1,6 @@
 """The reference mechanics of docs/REPRODUCING.md that the plain configs change, each with its key:
 the stated change range, the end at a high emotion, goodbye detection, the history limit, GRPO's
 group statistics and profile sampling. Each test tells the two values of its key apart."""
-import importlib.util
-import pathlib
 from types import SimpleNamespace
 
 import jax
@@ -20,14 +18,7 @@ from rlver_jax.rl.algorithms import GRPO
 from rlver_jax.rl.pack import pack
 from rlver_jax.spec import ConfigError, RunSpec
 
-CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
-
-
-def _config(name, arg=None):
-  spec = importlib.util.spec_from_file_location(f"mech_{name}", CONFIGS / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+from config_files import load_config as _config
 
 
 class _Scripted(HistoryBackend):

@@ -2,8 +2,6 @@
 termination thresholds, the change clamp, numeric scoring guidance, the evaluation's policy prompt,
 each against a hand-built case, and their wiring from the configs into training and evaluation."""
 import dataclasses
-import importlib.util
-import pathlib
 from types import SimpleNamespace
 
 import pytest
@@ -19,14 +17,7 @@ from rlver_jax.env.profiles import load_demo_profiles
 from rlver_jax.env.parsing import parse_change
 from rlver_jax.env.simulator import SimulatedUsers
 
-CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
-
-
-def _config(name, arg=None):
-  spec = importlib.util.spec_from_file_location(f"cfg_{name}", CONFIGS / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+from config_files import load_config as _config
 
 
 class _Fixed(HistoryBackend):

@@ -35,7 +35,8 @@ def _stopped_after_training(signum, _frame):
 
 
 if __name__ == "__main__":  # until the trainer's own handler takes over: nothing to save yet
-  signal.signal(signal.SIGINT, _stopped_while_starting)  # not a KeyboardInterrupt from inside jax
+  if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # ignored: started in the background
+    signal.signal(signal.SIGINT, _stopped_while_starting)  # not a KeyboardInterrupt from inside jax
   signal.signal(signal.SIGTERM, _stopped_while_starting)
 
 import datetime  # noqa: E402
@@ -96,7 +97,8 @@ def main(argv):
     lock = on_process_zero(f"locking --workdir={workdir}", lambda: lock_workdir(workdir))  # noqa: F841
     paths = loop.run(spec, workdir, ctrl_c=True)
     for signum in (signal.SIGINT, signal.SIGTERM):  # the trainer's handlers are gone with it
-      signal.signal(signum, _stopped_after_training)
+      if signal.getsignal(signum) is not signal.SIG_IGN:
+        signal.signal(signum, _stopped_after_training)
   # Bad input, an unwritable workdir, a simulator that cannot answer within its retry bound (on any
   # host), or a diverged update: one line, non-zero exit (--verbosity=1 logs the traceback).
   except (ValueError, OSError, SimulatorBackendError, ProcessZeroError, loop.TrainingDiverged) as e:

@@ -72,6 +72,8 @@ class PreemptionGuard:
     self._pair[1].setblocking(False)  # the C handler must never block on a full buffer
     self._previous_fd = signal.set_wakeup_fd(self._pair[1].fileno(), warn_on_full_buffer=False)
     for s in self._signals:
+      if s == signal.SIGINT and signal.getsignal(s) is signal.SIG_IGN:
+        continue  # started in the background (`cmd &`, nohup): Ctrl-C is not meant for this run
       self._previous[s] = signal.signal(s, self._handle)
     self._watcher = threading.Thread(target=self._watch, name="sigterm-watcher", daemon=True)
     self._watcher.start()

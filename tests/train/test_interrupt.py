@@ -25,8 +25,15 @@ def world(tmp_path_factory):
 def _start(args):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO / "tests" / "fixtures"))
   # cwd=REPO: `-m` and `-c` import this checkout's package, not an installed one.
-  return subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+  return subprocess.Popen([sys.executable, "-c", _FOREGROUND, *args], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+# Ctrl-C reaches the child as it would a command run at a terminal: a test process started in the
+# background ignores SIGINT, and a child inherits that (through exec too). No preexec_fn: it forks a
+# multithreaded (jax) process.
+_FOREGROUND = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+               "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
 
 
 def _lines(err: str) -> list[str]:

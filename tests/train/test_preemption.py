@@ -95,8 +95,17 @@ def test_a_failed_commit_on_sigterm_is_named_not_taken_for_a_timeout(monkeypatch
 
 def test_ctrl_c_is_left_to_python_unless_asked_for():
   # In a notebook an interrupt must stay a KeyboardInterrupt: the kernel lives on.
-  with PreemptionGuard():
+  before = signal.signal(signal.SIGINT, signal.default_int_handler)  # xdist workers ignore SIGINT
+  try:
+    with PreemptionGuard():
+      assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with PreemptionGuard(ctrl_c=True):
+      assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-  with PreemptionGuard(ctrl_c=True):
-    assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Started in the background (SIGINT ignored): a Ctrl-C at the terminal is not for this run.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with PreemptionGuard(ctrl_c=True):
+      assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+  finally:
+    signal.signal(signal.SIGINT, before)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What a lent GPU should measure next, as one device call (the device budget is ~15 minutes):
-# whether XLA:GPU's per-layer weight-slice copies in the layer scan are what holds 7B decode at ~35%
-# of HBM bandwidth (session 5), and whether dynamic-slice fusion or per-layer buffers remove them.
+# static slices of the stacked weights read in place (5.6 ms per 7B step) but the sampler with them
+# did not gain (11.2 ms); first whether an on-device loop (the sampler's while_loop) brings the copies
+# back, then the profile that counts the sampler's memcpys.
 #   run from the repository root:  OUT=/some/dir bash benchmarks/gpu_next.sh
 # Each step has its own time limit and keeps going on failure (an XLA flag unknown to the installed
 # jaxlib aborts only its own step). Logs go to $OUT (default /tmp/gpu_next).
@@ -26,8 +27,6 @@ step() {  # step NAME COMMAND...: run with a time limit, log to $OUT/NAME.txt, r
   echo "$name: exit $? ($(tail -n 1 "$OUT/$name.txt" | cut -c1-100))"
 }
 
-step floor "$PYTHON" investigations/decode_step_floor.py --models "$MODEL" --reps 3 --read-gib 1
-step scan_vs_loop "$PYTHON" investigations/layer_scan_vs_loop.py --model "$MODEL" --window "$WINDOW" --reps 10
-step scan_vs_loop_dsf env XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true \
-  "$PYTHON" investigations/layer_scan_vs_loop.py --model "$MODEL" --window "$WINDOW" --reps 10
+LIMIT=${WHILE_LIMIT:-420} step while_loop "$PYTHON" investigations/decode_in_while_loop.py \
+  --model "$MODEL" --window "$WINDOW" --reps 3 --tokens 16
 step profile "$PYTHON" decode_profile.py --model "$MODEL" --new 32 --top 30

@@ -1,8 +1,9 @@
-"""The simulator's two information flows (`simulator.info_flow`) on the same simulator and profiles.
+"""The simulator's information flows (`simulator.info_flow`, `eval.info_flow`) on the same simulator
+and profiles.
 
 SmolLM2-135M (the embedded model, fp32) as policy and as the co-located simulator, the 8 English
 demo profiles, one dialogue each, no-think policy; the shapes of `:runlocal` by default (simulator
-40 new tokens per step, no retries, 2 policy replies). Both flows run with the same seeds, one after
+40 new tokens per step, no retries, 2 policy replies). All flows run with the same seeds, one after
 the other. Reported per flow: score (mean final emotion), emotion steps whose change line could not
 be read, reply steps without a reply line, simulator tokens per policy turn (prefilled + generated)
 and the longest simulator context at the end.

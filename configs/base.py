@@ -36,6 +36,10 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c = ml_collections.ConfigDict()
   c.algo = algo                      # "grpo" | "ppo"
   c.seed = 0
+  # JAX's persistent compilation cache, so a resumed or preempted run reads its compiled programs
+  # back: beside the checkpoints ({workdir} = --workdir), where a run resumed on a new VM finds it;
+  # '' = none (rlver_jax/run/compile_cache.py).
+  c.compile_cache_dir = "{workdir}/compile_cache"
   c.total_steps = 210 if algo == "grpo" else 350
 
   c.policy = ml_collections.ConfigDict()
@@ -58,6 +62,10 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.policy.top_p = 1.0
   c.policy.top_k = 0
   c.policy.language = ""             # system prompt language; "" = each profile's own
+  # The training system prompt: "project" (this project's: the user's ease and trust, a thought on
+  # what they want and feel, the reply's form) or "reference" (the released RLVER prompts' meaning:
+  # an emotionally intelligent friend, a thought on reply strategy), both in this project's words.
+  c.policy.prompt = "project"
   # Strings that end a policy turn inside the decode loop besides <|im_end|> (e.g. "<|im_start|>"
   # for a model that opens the next turn itself); () = none.
   c.policy.stop_sequences = ()
@@ -70,6 +78,11 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.simulator.checkpoint = "gs://YOUR_BUCKET/models/Qwen2.5-72B-Instruct"
   c.simulator.preset = "qwen2.5-72b"  # for rlver_jax.aot only, like policy.preset
   c.simulator.dtype = "bfloat16"
+  # The frozen simulator's storage: "bf16" = as simulator.dtype; "int8" = symmetric int8 with a
+  # scale per output channel (weights) or per token and KV head (KV cache): half the bytes that its
+  # memory-bound decode reads (fidelity: README, benchmarks/int8_fidelity.py).
+  c.simulator.weight_dtype = "bf16"
+  c.simulator.kv_dtype = "bf16"
   c.simulator.style = args.get("simulator", "vanilla")
   c.simulator.max_context = 16384
   # Simulator appends are a policy reply plus an instruction, ~150-700 tokens: finer buckets there.
@@ -94,6 +107,10 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   # Training ends a dialogue whose visible text (user and policy lines) passes this many
   # characters; 0 = no limit (the policy's cache still bounds it: context_full).
   c.simulator.history_chars = 0
+  # Decode layout of the frozen simulator over the same devices as config.mesh
+  # (rlver_jax/spec/layouts.py): 'auto' (tensor parallel over heads, data over cache rows),
+  # 'train' (config.mesh) or 'DATAxFSDPxTENSOR' such as '4x1x8'.
+  c.simulator.mesh = "auto"
   c.simulator.score_guidance = False  # no "+3 to +10 for a good reply" scale (the reference has none)
   # What the simulator's steps see of each other: "chat" = one growing chat (every later step sees
   # the earlier analyses and plans); "reference" = the reference's: the emotion step sees a clean
@@ -189,6 +206,9 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   # dialogue samples from its own key stream, so every R gives the same dialogues (greedy: those of
   # 0 too). rl.group_size <= R <= the step's dialogues (a group starts together).
   c.rollout.rows = 0
+  # Decode layout of the policy's rollout copy (compute dtype, refreshed after each update):
+  # 'auto' | 'train' | 'DATAxFSDPxTENSOR', as simulator.mesh.
+  c.rollout.policy_mesh = "auto"
 
   c.optim = ml_collections.ConfigDict()
   c.optim.actor_lr = 1e-6
@@ -224,6 +244,12 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   # The policy's system prompt in the held-out evaluation: "sage" (the benchmark's ask, in this
   # project's words), "chat_partner" (a generic one) or "training" (the one it is trained with).
   c.eval.policy_prompt = "sage"
+  # Per policy turn, thought included; 0 = policy.max_new_tokens (the cap the policy trains at).
+  c.eval.policy_max_new_tokens = 0
+  # The simulator's information flow in this evaluation: "sage" (the benchmark's: the reference
+  # flow whose reply step also reads the inner reaction; rlver_jax/env/info_flow.py), like
+  # configs/eval_sentient.py, whatever simulator.info_flow training uses.
+  c.eval.info_flow = "sage"
   # Policy sampling during held-out evaluation: the same as configs/eval_sentient.py (Qwen2.5-Instruct's
   # generation_config), so eval/score is comparable with `rlver_jax.evaluate`, not rollout sampling.
   c.eval.temperature = 0.7
@@ -264,6 +290,7 @@ REFERENCE_VALUES = {
     "simulator.goodbye_match": "substring",
     "rl.group_stats": "turn_rows",    # mean and std over the group's per-turn rows
     "data.sampling": "with_replacement",
+    "policy.prompt": "reference",     # the released training prompts' meaning
 }
 # ... and in think mode only.
 REFERENCE_THINK_VALUES = {

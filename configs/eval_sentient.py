@@ -49,6 +49,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   args = _parse_arg(arg)
   c = ml_collections.ConfigDict()
   c.seed = 0
+  c.compile_cache_dir = "{workdir}/compile_cache"  # see configs/base.py; '' = none
 
   c.policy = ml_collections.ConfigDict()
   c.policy.checkpoint = "gs://YOUR_BUCKET/models/Qwen2.5-7B-Instruct"  # HF safetensors directory
@@ -59,7 +60,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.policy.append_buckets = (16, 64, 256, 1024)  # padded append lengths (see configs/base.py)
   c.policy.think = args.get("think", "true") == "true"
   c.policy.keep_thoughts = False     # think mode: earlier thoughts are dropped from later turns
-  c.policy.max_new_tokens = 1024     # per policy turn, thought included
+  # The training prompt, for eval.policy_prompt="training" ("project" | "reference", configs/base.py).
+  c.policy.prompt = "project"
   # Qwen2.5-Instruct's own generation_config sampling.
   c.policy.temperature = 0.7
   c.policy.top_p = 0.8
@@ -70,6 +72,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.simulator.backend = "model"      # "model" (co-located) | "http" | "scripted"
   c.simulator.checkpoint = "gs://YOUR_BUCKET/models/Qwen2.5-72B-Instruct"
   c.simulator.dtype = "bfloat16"
+  # The frozen simulator's storage: "bf16" = as simulator.dtype; "int8" = symmetric int8 with a
+  # scale per output channel (weights) or per token and KV head (KV cache): half the bytes that its
+  # memory-bound decode reads (fidelity: README, benchmarks/int8_fidelity.py).
+  c.simulator.weight_dtype = "bf16"
+  c.simulator.kv_dtype = "bf16"
   c.simulator.style = args.get("simulator", "vanilla")
   c.simulator.max_context = 20480    # persona + background, then ~1.3k tokens per turn for 9 turns
   c.simulator.append_buckets = (64, 128, 256, 512, 1024)
@@ -83,7 +90,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # "clause" (再见/拜拜 ending a clause, not negated) or "substring" (anywhere, as SAGE matches).
   c.simulator.goodbye_match = "clause"
   c.simulator.score_guidance = False  # no points scale in the prompt (the reference states none)
-  c.simulator.info_flow = "chat"     # "reference": the benchmark's (see configs/base.py)
   c.simulator.change_mode = "sampled"  # "expected": the simulator's mean change (model backend only)
   c.simulator.http_base_url = ""
   c.simulator.http_model = ""
@@ -105,6 +111,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # better); "chat_partner": a generic "chat naturally" prompt; "training": the training prompt.
   c.eval.policy_prompt = "sage"
   c.eval.batch_size = 32             # dialogues run together
+  # Per policy turn, thought included: the reference's training cap, so a policy trained under
+  # :reference is never cut here (SAGE states no cap); a turn that ends sooner costs nothing more.
+  c.eval.policy_max_new_tokens = 5000
+  # What the simulator's steps see: "sage" (the benchmark's: a clean transcript, the reply step
+  # reads the fit, inner-reaction and feeling notes), "reference" (training's: fit and feeling) or
+  # "chat" (one growing chat; this project's evaluations before 2026-12-04).
+  c.eval.info_flow = "sage"
+
+  # Nothing trains: the policy and the simulator each load straight into their decode layout over
+  # the mesh's devices (rlver_jax/spec/layouts.py): 'auto' (tensor parallel over heads, data over
+  # cache rows), 'train' (config.mesh) or 'DATAxFSDPxTENSOR' such as '4x1x8'.
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.policy_mesh = "auto"
+  c.simulator.mesh = "auto"
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1
@@ -127,7 +147,7 @@ def _runlocal(c: ml_collections.ConfigDict) -> None:
   c.policy.param_dtype = "float32"   # bf16 matmuls are slow on CPU
   c.policy.compute_dtype = "float32"
   c.policy.max_context = 1024
-  c.policy.max_new_tokens = 32
+  c.eval.policy_max_new_tokens = 32
   c.simulator.dtype = "float32"
   c.simulator.max_context = 3072
   c.simulator.max_new_tokens = 48

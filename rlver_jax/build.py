@@ -6,10 +6,14 @@ file that exists) is checked here, with the same `config.KEY` messages.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 
 import jax
+import jax.numpy as jnp
+from absl import logging
 from etils import epath
 from flax import nnx
 
@@ -18,13 +22,15 @@ from rlver_jax.env.model_backend import ModelBackend
 from rlver_jax.env.profiles import DEMO_PROFILE_SETS, Profile, load_profiles
 from rlver_jax.models import load_pretrained
 from rlver_jax.models.io import hub
-from rlver_jax.models.presets import from_hf_config, param_dtype_of
+from rlver_jax.models.presets import Qwen2Config, from_hf_config, param_dtype_of
+from rlver_jax.models.qwen2 import param_specs
 from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
 from rlver_jax.parallel.sharding import MeshConfig, make_mesh
 from rlver_jax.sampling.sampler import Sampler
 from rlver_jax.sampling.strategies import SamplingParams
 from rlver_jax.spec import (ConfigError, CriticSpec, EvaluationSpec, PolicySpec, RunSpec,
                             SimulatorSpec)
+from rlver_jax.spec.layouts import describe, resolve_layout
 
 # ConfigError is imported from the spec for the callers that raise or catch build.ConfigError.
 
@@ -34,6 +40,38 @@ def mesh_from(mesh: MeshConfig) -> jax.sharding.Mesh:
     return make_mesh(mesh)
   except ValueError as e:
     raise ConfigError(f"config.mesh: {e}") from e
+
+
+def _hbm_bytes() -> int | None:
+  """One device's memory (None where the backend does not say: CPU)."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return stats.get("bytes_limit")
+
+
+def train_layout(train: MeshConfig, mesh: jax.sharding.Mesh) -> str:
+  """The training layout's description (config.mesh resolved), logged like the decode layouts."""
+  text = describe(MeshConfig(*train.resolve(mesh.size)))
+  logging.debug("training layout: %s", text)  # in provenance.json; on the console with -v
+  return text
+
+
+def decode_mesh(value: str, key: str, model: Qwen2Config, train: MeshConfig,
+                train_mesh: jax.sharding.Mesh | None, dtype, role: str
+                ) -> tuple[jax.sharding.Mesh | None, str]:
+  """(mesh, description) of the layout a decoding model gets from its setting `value` at config
+  `key` (`spec/layouts.py`), over the training mesh's devices; the training mesh itself when the
+  sizes are equal (no reshard then). Logs one line naming it (at --verbosity=1; the trainer
+  writes every layout to provenance.json). Without a training mesh (one device,
+  no mesh) there is nothing to lay out."""
+  if train_mesh is None:
+    return None, "no mesh"
+  weights = sum(math.prod(p.shape) for p in param_specs(model).values()) * jnp.dtype(dtype).itemsize
+  sizes = resolve_layout(value, key, model, train, train_mesh.size, weight_bytes=weights,
+                         hbm_bytes=_hbm_bytes())
+  same = (sizes.data, sizes.fsdp, sizes.tensor) == tuple(train_mesh.shape[a] for a in train_mesh.axis_names)
+  text = f"{describe(sizes)} ({value})"
+  logging.debug("%s layout: %s", role, text)
+  return (train_mesh if same else mesh_from(sizes)), text
 
 
 def checkpoint_dir(path: str) -> str:
@@ -80,6 +118,12 @@ def profiles_from(path: str) -> list[Profile]:
   return load_profiles(path)
 
 
+def policy_config(policy: PolicySpec) -> Qwen2Config:
+  """The policy checkpoint's model config (its config.json), without loading weights."""
+  path = epath.Path(resolve_checkpoint(policy.checkpoint, "policy.checkpoint")).joinpath("config.json")
+  return from_hf_config(json.loads(path.read_text()), str(path))
+
+
 def load_policy(policy: PolicySpec, mesh):
   """(model, chat tokens, checkpoint dir) for the policy: fp32 master params, compute dtype separate."""
   path = resolve_checkpoint(policy.checkpoint, "policy.checkpoint")
@@ -113,10 +157,29 @@ def policy_sampler(model, chat: ChatTokens, policy: PolicySpec, mesh) -> Sampler
                  append_buckets=policy.append_buckets, mesh=mesh)
 
 
+def simulator_config(sim: SimulatorSpec) -> Qwen2Config:
+  """The co-located simulator's model config (its checkpoint's config.json), its context checked."""
+  path = resolve_checkpoint(sim.checkpoint, "simulator.checkpoint")
+  config_json = epath.Path(path).joinpath("config.json")
+  hf_config = from_hf_config(json.loads(config_json.read_text()), str(config_json))
+  check_context(hf_config.max_position_embeddings, sim.max_context, "config.simulator.max_context")
+  return hf_config
+
+
+def simulator_mesh(sim: SimulatorSpec, train: MeshConfig, train_mesh) -> tuple[object, str]:
+  """(mesh, description) of the simulator's decode layout (config.simulator.mesh); a backend
+  without a model has none."""
+  if sim.backend != "model":
+    return None, "no model"
+  return decode_mesh(sim.mesh, "simulator.mesh", simulator_config(sim), train, train_mesh,
+                     param_dtype_of(sim.dtype), "simulator")
+
+
 def simulator_backend(sim: SimulatorSpec, mesh, *, seed: int, share_prefix: bool = True,
                       rows: int = 0):
-  """The simulated user's text generator named by config.simulator.backend (its own frozen weights;
-  a model backend samples from `seed`, on at most `rows` cache rows: config.rollout.rows)."""
+  """The simulated user's text generator named by config.simulator.backend (its own frozen weights
+  on `mesh`, its decode layout: `simulator_mesh`; a model backend samples from `seed`, on at most
+  `rows` cache rows: config.rollout.rows)."""
   if sim.backend == "scripted":
     return sim_backends.ScriptedBackend()
   if sim.backend == "http":
@@ -126,14 +189,15 @@ def simulator_backend(sim: SimulatorSpec, mesh, *, seed: int, share_prefix: bool
         timeout_s=sim.http_timeout_s, deadline_s=sim.http_deadline_s,
         max_attempts=sim.http_max_attempts, max_concurrency=sim.http_max_concurrency)
   path = resolve_checkpoint(sim.checkpoint, "simulator.checkpoint")
-  config_json = epath.Path(path).joinpath("config.json")
-  hf_config = from_hf_config(json.loads(config_json.read_text()), str(config_json))
-  check_context(hf_config.max_position_embeddings, sim.max_context,  # before the weights load
-                "config.simulator.max_context")
-  model, _ = load_pretrained(path, dtype=param_dtype_of(sim.dtype), mesh=mesh)
+  simulator_config(sim)  # checked before the weights load
+  # Born sharded on its own mesh, where it stays: loading and decoding run under it.
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    model, _ = load_pretrained(path, dtype=param_dtype_of(sim.dtype), mesh=mesh,
+                               int8_weights=sim.weight_dtype == "int8")
   chat = ChatTokens(load_tokenizer(path))
   sampler = Sampler(model, max_len=sim.max_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
-                    append_buckets=sim.append_buckets, mesh=mesh)
+                    append_buckets=sim.append_buckets, mesh=mesh,
+                    cache_dtype=jnp.int8 if sim.kv_dtype == "int8" else None)
   return ModelBackend(sampler, nnx.state(model), chat, max_new_tokens=sim.max_new_tokens,
                       sampling=SamplingParams.make(sim.temperature, sim.top_p, sim.top_k),
                       seed=seed + 1, share_prefix=share_prefix, stop_at_lines=sim.stop_at_lines,

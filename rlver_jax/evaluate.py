@@ -32,8 +32,11 @@ def main(argv):
   from rlver_jax.spec import EvaluationSpec
   from rlver_jax.env.backends import SimulatorBackendError
   from rlver_jax.parallel.process_zero import ProcessZeroError
+  from rlver_jax.run import compile_cache
   try:
-    summary, paths = sentient.run(EvaluationSpec.from_config(_CONFIG.value), _WORKDIR.value)
+    spec = EvaluationSpec.from_config(_CONFIG.value)
+    compile_cache.enable(compile_cache.resolve(spec.compile_cache_dir, _WORKDIR.value))
+    summary, paths = sentient.run(spec, _WORKDIR.value)
   # Bad input, an unwritable workdir, or a simulator that cannot answer within its retry bound (on
   # any host): one line, non-zero exit.
   except (ValueError, OSError, SimulatorBackendError, ProcessZeroError) as e:

@@ -72,6 +72,10 @@ def _default_workdir() -> str:
 def _remove_if_empty(path: str) -> None:
   """A default workdir made for a run that failed before writing anything is not left behind."""
   try:
+    from rlver_jax.run.compile_cache import FOLDER
+    cache = os.path.join(path, FOLDER)
+    if os.path.isdir(cache) and not os.listdir(cache):  # made by JAX at a first compile
+      os.rmdir(cache)
     if os.listdir(path) == [LOCK_FILE]:  # ours: the run holds it until it exits
       os.remove(os.path.join(path, LOCK_FILE))
     os.rmdir(path)
@@ -88,6 +92,7 @@ def main(argv):
   from rlver_jax.env.backends import SimulatorBackendError
   from rlver_jax.parallel.process_zero import ProcessZeroError, on_process_zero
   from rlver_jax.models.io import storage
+  from rlver_jax.run import compile_cache
   storage.point_clients_at_emulator()
   workdir = _WORKDIR.value or _default_workdir()
   try:
@@ -95,6 +100,7 @@ def main(argv):
     spec = RunSpec.from_config(_CONFIG.value)  # checks every setting, also those used late
     # Held until the process ends (never released: the kernel does it, also on kill -9).
     lock = on_process_zero(f"locking --workdir={workdir}", lambda: lock_workdir(workdir))  # noqa: F841
+    compile_cache.enable(compile_cache.resolve(spec.compile_cache_dir, workdir))
     paths = loop.run(spec, workdir, ctrl_c=True)
     for signum in (signal.SIGINT, signal.SIGTERM):  # the trainer's handlers are gone with it
       if signal.getsignal(signum) is not signal.SIG_IGN:

@@ -12,7 +12,7 @@ PACKAGE = ROOT / "rlver_jax"
 # Transcribed from each folder's __init__.py docstring ("May import: ..."); a change there is a
 # change here. Top-level modules are the build step and the entry points (main, evaluate, ...).
 MAY_IMPORT = {
-    "spec": {"env", "rl", "sampling", "parallel"},
+    "spec": {"env", "rl", "sampling", "models", "parallel"},
     "train": {"models", "sampling", "env", "rl", "run", "parallel", "evaluation", "build", "spec"},
     "evaluation": {"models", "sampling", "env", "run", "parallel", "build", "spec"},
     "aot": {"models", "sampling", "rl", "parallel", "cli", "build", "spec"},

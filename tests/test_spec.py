@@ -80,6 +80,8 @@ _BAD = [
     (spec_lib.PolicySpec, "append_buckets", (64, 16), "policy.append_buckets"),
     (spec_lib.SimulatorSpec, "backend", "grpc", "simulator.backend"),
     (spec_lib.SimulatorSpec, "style", "grumpy", "simulator.style"),
+    (spec_lib.SimulatorSpec, "weight_dtype", "fp8", "simulator.weight_dtype"),
+    (spec_lib.SimulatorSpec, "kv_dtype", "int4", "simulator.kv_dtype"),
     (spec_lib.SimulatorSpec, "info_flow", "plain", "simulator.info_flow"),
     (spec_lib.SimulatorSpec, "start_emotion", 120, "simulator.start_emotion"),
     (spec_lib.SimulatorSpec, "max_turns", 0, "simulator.max_turns"),

@@ -70,7 +70,8 @@ def _run(config: ml_collections.ConfigDict) -> None:
       print(f"{family}: nothing up to {CANDIDATES[family][-1]} fits")
     else:
       mesh = f.rows[0].mesh
-      print(f"{family}: smallest is {f.topology}, mesh data,fsdp,tensor = {'x'.join(map(str, mesh))}")
+      print(f"{family}: smallest is {f.topology}, mesh data,fsdp,tensor = {'x'.join(map(str, mesh))}"
+            + (f"; layouts: {f.layouts}" if f.layouts else ""))
       if f.phases:
         total = run_plan.format_run_total(f.phases, f.topology, "x".join(map(str, mesh)))
         print("  " + total.replace("\n", "\n  "))

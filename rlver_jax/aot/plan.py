@@ -1,14 +1,16 @@
 """The whole-run memory plan of a training config: its programs, and what is resident in each phase.
 
-A training step has two phases on one mesh, and the trainer keeps its whole state on device through
-both (`train.Trainer.state`, the simulator backend's cache):
+A training step has two phases on one set of devices, each model in its layout (`aot.layouts`),
+and the trainer keeps its whole state on device through both (`train.Trainer.state`, the simulator
+backend's cache):
 
   rollout  policy params + policy optimizer state (+ critic params + critic optimizer state for PPO)
-           (+ reference params when rl.kl_coef > 0) + simulator params + policy KV cache + simulator
-           KV cache, plus the largest private need of one sampler program
+           (+ reference params when rl.kl_coef > 0) (+ the policy's decode copy in a serving layout)
+           + simulator params + policy KV cache + simulator KV cache, plus the largest private need
+           of one sampler program
   update   the same without the policy KV cache (it belongs to the rollout and is dropped after it;
            the simulator backend keeps its cache between steps), plus the largest private need of one
-           update program
+           update program or of the reshard (policy decode copy refreshed from the training params)
 
 A program's private need is what it adds to the resident state while it runs: temporaries + outputs
 not aliased to (donated) arguments + generated code + its non-state inputs (token ids, logits, the
@@ -28,7 +30,6 @@ from jax.sharding import Mesh
 
 from rlver_jax.aot import programs as ap
 from rlver_jax.spec import RunSpec
-from rlver_jax.models.presets import param_dtype_of
 from rlver_jax.rl.update import make_optimizer
 
 SAMPLER_KINDS = ("prefill", "append", "decode")
@@ -58,10 +59,12 @@ def rollout_programs(config: ml_collections.ConfigDict) -> tuple[str, ...]:
 
 
 def update_programs(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The update's programs, then the reshard of the policy's decode copy (a serving layout)."""
+  reshard = ("policy_reshard",) if config.rollout.policy_mesh != "train" else ()
   if config.algo == "grpo":
-    return ("grpo_update",)
+    return ("grpo_update",) + reshard
   if config.algo == "ppo":
-    return ("ppo_policy_update", "ppo_critic_update")
+    return ("ppo_policy_update", "ppo_critic_update") + reshard
   raise ValueError(f"config.algo: unknown algorithm {config.algo!r} (expected grpo or ppo)")
 
 
@@ -100,26 +103,32 @@ def _params_and_optimizer(config, mesh: Mesh, critic: bool) -> tuple[int, int]:
 
 
 def _cache_bytes(config, mesh: Mesh, role: str) -> int:
-  model = ap.policy_model(config) if role == "policy" else ap.simulator_model(config)
+  model = ap.policy_decode_model(config) if role == "policy" else ap.simulator_model(config)
   section = config.policy if role == "policy" else config.simulator
-  dtype = param_dtype_of(model.dtype)
   return per_device_bytes(ap.abstract_cache(ap.model_config(model), ap.rollout_rows(config, mesh),
-                                            section.max_context, dtype, mesh))
+                                            section.max_context, ap.cache_dtype(model), mesh))
 
 
-def resident_state(config: ml_collections.ConfigDict, mesh: Mesh) -> dict[str, dict[str, int]]:
-  """Per phase: {piece: per-device bytes} of the state that stays on device through it."""
-  params, opt = _params_and_optimizer(config, mesh, critic=False)
+def resident_state(config: ml_collections.ConfigDict, layouts) -> dict[str, dict[str, int]]:
+  """Per phase: {piece: per-device bytes} of the state that stays on device through it, each piece
+  on its model's mesh (`aot.layouts.Layouts`): training state on `train`, the simulator and each
+  KV cache in their decode layouts. The policy's decode copy stays resident through the update (the
+  reshard writes into its donated buffers)."""
+  train = layouts.train
+  params, opt = _params_and_optimizer(config, train, critic=False)
   common = {"policy params": params, "policy optimizer": opt}
   if config.algo == "ppo":
-    common["critic params"], common["critic optimizer"] = _params_and_optimizer(config, mesh, True)
+    common["critic params"], common["critic optimizer"] = _params_and_optimizer(config, train, True)
   if config.rl.kl_coef > 0:
     common["reference params"] = params
+  if layouts.policy_copy:
+    _, copy = ap.abstract_params(ap.policy_decode_model(config), layouts.policy)
+    common["policy decode copy"] = per_device_bytes(copy)
   if has_simulator(config):
-    _, sim = ap.abstract_params(ap.simulator_model(config), mesh)
+    _, sim = ap.abstract_params(ap.simulator_model(config), layouts.simulator)
     common["simulator params"] = per_device_bytes(sim)
-    common["simulator KV cache"] = _cache_bytes(config, mesh, "simulator")
-  rollout = dict(common, **{"policy KV cache": _cache_bytes(config, mesh, "policy")})
+    common["simulator KV cache"] = _cache_bytes(config, layouts.simulator, "simulator")
+  rollout = dict(common, **{"policy KV cache": _cache_bytes(config, layouts.policy, "policy")})
   return {"rollout": rollout, "update": common}
 
 
@@ -158,9 +167,9 @@ class Phase:
 class Plan:
   """The memory plan of one training config on one mesh: resident state per phase, then phases."""
 
-  def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh, hbm_bytes: int):
+  def __init__(self, config: ml_collections.ConfigDict, layouts, hbm_bytes: int):
     self.hbm_bytes = hbm_bytes
-    self.state = resident_state(config, mesh)
+    self.state = resident_state(config, layouts)
     self.programs = {"rollout": rollout_programs(config), "update": update_programs(config)}
 
   def phase_of(self, program: str) -> str:

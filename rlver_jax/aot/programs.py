@@ -60,7 +60,13 @@ def abstract_array(shape: Sequence[int], dtype, logical_axes: Sequence[str | Non
 
 def _module(model: ml_collections.ConfigDict, head: Head = "lm") -> Qwen2:
   return abstract_model(model_config(model), head=head, param_dtype=param_dtype_of(model.param_dtype),
-                        dtype=param_dtype_of(model.dtype), remat=model.remat)
+                        dtype=param_dtype_of(model.dtype), remat=model.remat,
+                        int8_weights=model.get("weight_dtype") == "int8")
+
+
+def cache_dtype(model: ml_collections.ConfigDict):
+  """The KV cache's dtype of a model description: int8 when `kv_dtype` says so, else its compute dtype."""
+  return jnp.int8 if model.get("kv_dtype") == "int8" else param_dtype_of(model.dtype)
 
 
 def _with_shardings(tree, shardings):
@@ -126,7 +132,8 @@ def sampler_inputs(model: ml_collections.ConfigDict, batch: int, max_len: int, m
   stop_ids = config.eos_token_id if isinstance(config.eos_token_id, tuple) else (0,)
   buckets = model.get("append_buckets") or DEFAULT_APPEND_BUCKETS
   sampler = Sampler(module, max_len=max_len, stop_ids=stop_ids, pad_id=config.pad_token_id or 0,
-                    append_buckets=buckets, mesh=mesh, cache_layout=layout)
+                    append_buckets=buckets, mesh=mesh, cache_layout=layout,
+                    cache_dtype=cache_dtype(model))
   _, params = abstract_params(model, mesh)
   return sampler, params, abstract_cache(config, batch, max_len, sampler.cache_dtype, mesh, layout)
 
@@ -177,11 +184,24 @@ def policy_model(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
                                         append_buckets=tuple(p.append_buckets)))
 
 
+def policy_decode_model(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The policy as its rollout reads it: in a serving layout a copy in the compute dtype
+  (`reshard_program`); with `rollout.policy_mesh='train'` the fp32 training params themselves."""
+  model = policy_model(config)
+  if config.rollout.policy_mesh != "train":
+    with model.unlocked():
+      model.param_dtype = config.policy.compute_dtype
+  return model
+
+
 def simulator_model(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The co-located simulator: frozen, params and compute in `simulator.dtype`, no remat."""
+  """The co-located simulator: frozen, params and compute in `simulator.dtype` (its linear weights and
+  KV cache in int8 if `simulator.weight_dtype` / `kv_dtype` say so), no remat."""
   s = config.simulator
   return ml_collections.ConfigDict(dict(preset=s.preset, param_dtype=s.dtype, dtype=s.dtype,
-                                        remat="none", append_buckets=tuple(s.append_buckets)))
+                                        remat="none", append_buckets=tuple(s.append_buckets),
+                                        weight_dtype=s.weight_dtype,
+                                        kv_dtype=s.kv_dtype))
 
 
 def num_dialogues(config: ml_collections.ConfigDict) -> int:
@@ -237,7 +257,7 @@ def rollout_rows(config: ml_collections.ConfigDict, mesh: Mesh | None = None) ->
 
 def _sampler_role(config: ml_collections.ConfigDict, role: str, mesh: Mesh | None = None):
   section = config.policy if role == "policy" else config.simulator
-  model = policy_model(config) if role == "policy" else simulator_model(config)
+  model = policy_decode_model(config) if role == "policy" else simulator_model(config)
   return model, rollout_rows(config, mesh), section.max_context, section.max_new_tokens
 
 
@@ -288,6 +308,27 @@ def update_program(config: ml_collections.ConfigDict, mesh: Mesh, *, critic: boo
   _, params = abstract_params(model, mesh, head=head)
   return updater._step, (params, abstract_opt_state(optimizer, params, mesh),
                          abstract_batch(config, mesh))
+
+
+def reshard_program(config: ml_collections.ConfigDict, train: Mesh, decode: Mesh):
+  """The policy's decode copy refreshed after an update: (training params on `train`, the old copy,
+  donated) -> the params cast to the compute dtype on the training mesh, then moved to `decode`'s
+  layout; one program, so its transfer is in the HLO like any collective."""
+  _, params = abstract_params(policy_model(config), train)
+  _, old = abstract_params(policy_decode_model(config), decode)
+  dtype = param_dtype_of(config.policy.compute_dtype)
+  at_train = jax.tree.map(lambda x: x.sharding, params)
+
+  @functools.partial(jax.jit, out_shardings=jax.tree.map(lambda x: x.sharding, old),
+                     donate_argnums=1)
+  def reshard(params, old):
+    del old  # its buffers take the new copy
+    # Cast where the params live, so the transfer moves compute-dtype bytes (the barrier keeps
+    # XLA from moving the cast after the transfer).
+    return jax.lax.optimization_barrier(jax.tree.map(
+        lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s), params, at_train))
+
+  return reshard, (params, old)
 
 
 PROGRAMS: dict[str, Program] = {

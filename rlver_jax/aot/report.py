@@ -4,12 +4,16 @@
 training config, `aot.plan`); `find_smallest` searches each chip family for the smallest slice on
 which all of it fits; `format_evaluation` renders the Markdown table the command line prints.
 
+Each program compiles on its model's mesh (`aot.layouts`): sampler programs in their decode layouts,
+the updates and the reshard's source on the training mesh; a row's mesh column names it.
+
 Memory per device: arguments + temporaries + outputs not aliased to arguments + generated code (all
 of which live in HBM on TPU). A compile that fails with RESOURCE_EXHAUSTED is a row that does not
 fit, not a crash.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Sequence
 
@@ -17,6 +21,7 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
+from rlver_jax.aot import layouts as aot_layouts
 from rlver_jax.aot import plan as run_plan
 from rlver_jax.aot.plan import gib
 from rlver_jax.aot.programs import PROGRAMS
@@ -65,18 +70,22 @@ def fitting_mesh(mesh_config: MeshConfig, num_devices: int) -> MeshConfig:
     return MeshConfig(data=1, fsdp=-1, tensor=1)
 
 
-def compile_program(name: str, config: ml_collections.ConfigDict, mesh: Mesh, topology: str,
-                    hbm_bytes: int) -> MemoryRow:
-  """Lowers and compiles one registered program on `mesh`; RESOURCE_EXHAUSTED becomes a row."""
-  if name not in PROGRAMS:
+def compile_program(name: str, config: ml_collections.ConfigDict, layouts: aot_layouts.Layouts,
+                    topology: str, hbm_bytes: int) -> MemoryRow:
+  """Lowers and compiles one program on its layout's mesh; RESOURCE_EXHAUSTED becomes a row."""
+  if name not in PROGRAMS and name != aot_layouts.RESHARD:
     raise AotError(f"unknown program {name!r}; registered: {', '.join(PROGRAMS)}")
+  mesh = layouts.for_program(name)
   shape = tuple(mesh.shape[a] for a in ("data", "fsdp", "tensor"))
   # Built outside the mesh context: builders may make small concrete arrays (a sampler's stop ids),
   # which must not be placed on compile-only devices.
-  fn, args = PROGRAMS[name](config, mesh)
+  fn, args = aot_layouts.build(name, config, layouts)
   row = MemoryRow(program=name, topology=topology, mesh=shape, hbm_bytes=hbm_bytes,
                   input_bytes=tuple(run_plan.per_device_bytes(a) for a in args))
-  with jax.set_mesh(mesh):  # the model's activation constraints read the ambient mesh
+  # The model's activation constraints read the ambient mesh; the reshard spans two meshes whose
+  # device orders differ, which jit refuses beside a context mesh.
+  between = name == aot_layouts.RESHARD
+  with contextlib.nullcontext() if between else jax.set_mesh(mesh):
     lowered = fn.lower(*args)
     try:
       compiled = lowered.compile()
@@ -100,12 +109,30 @@ def program_names(config: ml_collections.ConfigDict, only: Sequence[str] = ()) -
   return tuple(n for n in names if not only or n in only)
 
 
-def _mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device],
-          mesh_config: MeshConfig | None) -> Mesh:
+def _train_mesh_config(config: ml_collections.ConfigDict, devices: Sequence[jax.Device],
+                       mesh_config: MeshConfig | None) -> MeshConfig:
   if mesh_config is None:
     mesh_config = fitting_mesh(MeshConfig(config.mesh.data, config.mesh.fsdp, config.mesh.tensor),
                                len(devices))
-  return make_mesh(mesh_config, devices)
+  return MeshConfig(*mesh_config.resolve(len(devices)))
+
+
+def _mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device],
+          mesh_config: MeshConfig | None) -> Mesh:
+  return make_mesh(_train_mesh_config(config, devices, mesh_config), devices)
+
+
+def run_layouts(config: ml_collections.ConfigDict, devices: Sequence[jax.Device],
+                mesh_config: MeshConfig | None = None, hbm_bytes: int | None = None
+                ) -> aot_layouts.Layouts:
+  """Each model's mesh on `devices` (`aot.layouts`): one mesh for an aot config's programs."""
+  train = _train_mesh_config(config, devices, mesh_config)
+  if not run_plan.is_run_config(config):
+    return aot_layouts.single(make_mesh(train, devices))
+  try:
+    return aot_layouts.resolve(config, devices, train, hbm_bytes)
+  except ValueError as e:  # a decode layout that does not divide the devices or the heads
+    raise AotError(str(e)) from None
 
 
 def report(config: ml_collections.ConfigDict, topology: str,
@@ -122,6 +149,7 @@ class Evaluation:
   rows: tuple[MemoryRow, ...]
   phases: tuple[run_plan.Phase, ...] = ()
   stopped: str | None = None   # why the remaining programs were not compiled (a search gave up early)
+  layouts: str = ""            # each model's mesh (`aot.layouts.Layouts.describe`)
 
   @property
   def fits(self) -> bool:
@@ -138,32 +166,37 @@ def evaluate(config: ml_collections.ConfigDict, topology: str, mesh_config: Mesh
   that does not fit together with its phase's resident state.
   """
   devices = get_topology(topology)
-  mesh = _mesh(config, devices, mesh_config)
   hbm = hbm_per_device(devices)
-  shape = tuple(mesh.shape[a] for a in ("data", "fsdp", "tensor"))
   names = program_names(config, only)
+  if run_plan.is_run_config(config):
+    try:
+      RunSpec.from_config(config)  # what training would refuse (e.g. a zero micro-batch) is no plan
+    except ValueError as e:
+      raise AotError(str(e)) from None
+  layouts = run_layouts(config, devices, mesh_config, hbm)
+  shape = tuple(layouts.train.shape[a] for a in ("data", "fsdp", "tensor"))
   if not run_plan.is_run_config(config):
-    return Evaluation(topology, shape, tuple(compile_program(n, config, mesh, topology, hbm)
+    return Evaluation(topology, shape, tuple(compile_program(n, config, layouts, topology, hbm)
                                              for n in names))
+  described = layouts.describe()
   try:
-    RunSpec.from_config(config)  # what training would refuse (e.g. a zero micro-batch) is no plan
-    plan = run_plan.Plan(config, mesh, hbm)
+    plan = run_plan.Plan(config, layouts, hbm)
   except ValueError as e:  # an unknown preset, dtype or algorithm in the config
     raise AotError(str(e)) from None
   if give_up_early:
     why = plan.state_misfit(names)
     if why:
-      return Evaluation(topology, shape, (), stopped=why)
+      return Evaluation(topology, shape, (), stopped=why, layouts=described)
     names = run_plan.search_order(names)
   rows = []
   for name in names:
-    rows.append(compile_program(name, config, mesh, topology, hbm))
+    rows.append(compile_program(name, config, layouts, topology, hbm))
     why = plan.row_misfit(rows[-1]) if give_up_early and name != names[-1] else None
     if why:
-      return Evaluation(topology, shape, tuple(rows), stopped=why)
+      return Evaluation(topology, shape, tuple(rows), stopped=why, layouts=described)
   order = program_names(config, only)
   rows.sort(key=lambda r: order.index(r.program))
-  return Evaluation(topology, shape, tuple(rows), plan.phases(rows))
+  return Evaluation(topology, shape, tuple(rows), plan.phases(rows), layouts=described)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +206,7 @@ class Found:
   topology: str
   rows: tuple[MemoryRow, ...]
   phases: tuple[run_plan.Phase, ...] = ()
+  layouts: str = ""
 
 
 def _search_meshes(config: ml_collections.ConfigDict, num_devices: int) -> list[MeshConfig]:
@@ -206,10 +240,15 @@ def find_smallest(config: ml_collections.ConfigDict, families: Sequence[str] = t
     for topology in CANDIDATES[family]:
       devices = get_topology(topology)
       for mesh_config in _search_meshes(config, len(devices)):
-        ev = evaluate(config, topology, mesh_config, only, give_up_early=True)
+        try:
+          ev = evaluate(config, topology, mesh_config, only, give_up_early=True)
+        except AotError as e:  # an explicit decode layout that this slice's devices do not divide
+          shape = "x".join(map(str, mesh_config.resolve(len(devices))))
+          log(_table([("(skipped)", topology, shape) + ("-",) * 5 + (f"no ({e})",)], False))
+          continue
         log(format_evaluation(ev, header=False))
         if ev.fits:
-          results[family] = Found(family, topology, ev.rows, ev.phases)
+          results[family] = Found(family, topology, ev.rows, ev.phases, ev.layouts)
           break
       if results[family]:
         break
@@ -244,6 +283,8 @@ def format_evaluation(ev: Evaluation, header: bool = True) -> str:
   if ev.stopped:
     lines.append(("(search gave up)", ev.topology, mesh) + ("-",) * 5 + (f"no ({ev.stopped})",))
   text = _table(lines, header)
+  if header and ev.layouts:
+    text += f"\n\nlayouts: {ev.layouts}"
   if header and ev.phases:
     text += "\n\n" + run_plan.format_run_total(ev.phases, ev.topology, mesh)
   return text

@@ -4,7 +4,8 @@ batching on `rollout.rows` rows: with every dialogue of the same length, rows fr
 
 Keys (without the `calls/` prefix of metrics.jsonl): `policy/append/T64/W512` and
 `policy/prefill/T1024/W64` (calls of an append chunk of T tokens at window W), `policy/decode_steps/W512`
-(decode loop iterations at window W), the same under `simulator/`, and `update/micro_batches`,
+(decode loop iterations at window W), `policy/decode_slots` (stated lengths only: the filled cache
+slots summed over decode steps, one row), the same under `simulator/`, and `update/micro_batches`,
 `update/rows`, `update/length`, `forward/micro_batches` (see `train.call_metrics`).
 """
 from __future__ import annotations
@@ -82,8 +83,11 @@ class _Cache:
 
   def decode(self, tokens: int, max_new: int, reserve: int = 0) -> None:
     budget = max(min(max_new, self.max_len - reserve - self.length), 0)
-    self._add(f"decode_steps/W{bucket(max(self.length + budget, 1), self.windows)}", min(tokens, budget))
-    self.length += min(tokens, budget)
+    n = min(tokens, budget)
+    self._add(f"decode_steps/W{bucket(max(self.length + budget, 1), self.windows)}", n)
+    # Cache slots filled when each step reads it (the new token's included): the floor's KV bytes.
+    self._add("decode_slots", n * self.length + n * (n + 1) // 2)
+    self.length += n
 
 
 def _policy_turns(config, lengths: StatedLengths, policy: _Cache) -> list[int]:

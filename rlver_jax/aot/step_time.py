@@ -8,8 +8,8 @@ priced apart, as link time = their bytes / link bandwidth + their ring steps x t
 between calls (token parsing, the simulator's text) and dispatch are not in it.
 
 XLA's cost analysis counts a loop body once. So the programs are traced with their loops unrolled
-(layer scans, query-block and logits-chunk maps, the top-p bisection: `unrolled_loops`) at 2 and 3
-layers, and the cost is extrapolated linearly to the model's depth; the decode's `while_loop` is
+(layer scans, query-block and logits-chunk maps, the top-p bisection: `unrolled_loops`) at 3 and 4
+layers (`_depths`), and the cost is extrapolated linearly to the model's depth; the decode's `while_loop` is
 traced as one iteration, so its cost is one decode step. A sampler program's cost is linear in its
 attended window W (keys, values, masks): each is compiled at the smallest and the largest window and
 interpolated.
@@ -28,10 +28,11 @@ from rlver_jax.aot import call_programs as cp
 from rlver_jax.aot import programs as ap
 from rlver_jax.aot.chips import ChipSpec
 from rlver_jax.aot.collectives import collective_links
+from rlver_jax.aot.layouts import Layouts
 from rlver_jax.aot.step_calls import Calls, sampler_keys
 from rlver_jax.sampling.sampler import window_buckets
 
-PHASES = ("policy decode", "simulator decode", "prefills", "update")
+PHASES = ("policy decode", "simulator decode", "prefills", "update", "reshard")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,13 +127,16 @@ def _float_loop(hlo_line: str) -> bool:
   return bool(head[1]) and any(t in head[0] for t in ("f32[", "bf16[", "f16[", "f64["))
 
 
-def compiled_cost(fn, args, mesh: Mesh) -> Cost:
+def compiled_cost(fn, args, mesh: Mesh, between_meshes: bool = False) -> Cost:
   """Traces `fn` with unrolled loops, compiles it on `mesh`'s devices, reads XLA's cost analysis.
   A loop left in the compiled program is an error: its cost would count one iteration."""
-  with jax.set_mesh(mesh), unrolled_loops():
+  # No ambient mesh for a program between two meshes (the reshard): their device orders differ,
+  # which jit refuses beside a context mesh; its shardings name both.
+  context = (lambda: contextlib.nullcontext()) if between_meshes else (lambda: jax.set_mesh(mesh))
+  with context(), unrolled_loops():
     lowered = fn.lower(*args)
   on_tpu = mesh.devices.flat[0].platform == "tpu"
-  with jax.set_mesh(mesh):
+  with context():
     compiled = lowered.compile(compiler_options=_TPU_COST_OPTIONS if on_tpu else None)
   if any(_float_loop(line) for line in compiled.as_text().splitlines()):
     raise ValueError("a compiled program of the step-time model still has a loop; its cost would "
@@ -145,37 +149,49 @@ def compiled_cost(fn, args, mesh: Mesh) -> Cost:
 
 
 def _depths(layers: int) -> tuple[int, ...]:
-  """Layer counts to compile at: 2 and 3 (a 1-layer scan compiles differently), or the real one."""
-  return (layers,) if layers <= 3 else (2, 3)
+  """Layer counts to compile at: 3 and 4, or the real one. Fewer layers compile differently: the
+  72B simulator's decode step on v5p-64 (4x1x8) costs 1,442 / 1,467 / 1,755 MB a device at 2 / 3 / 4
+  layers, so 2 -> 3 gave 25 MB a layer for 219 MB of weights, 3 -> 4 gives 288 MB."""
+  return (layers,) if layers <= 4 else (3, 4)
 
 
 class CostModel:
-  """Per-call costs of one config's programs on one mesh, compiled on demand and kept.
+  """Per-call costs of one config's programs, each on its model's mesh (`aot.layouts.Layouts`:
+  sampler calls in their decode layouts, update and scoring passes on the training mesh), compiled
+  on demand and kept.
 
   `rows` are the sampler programs' cache rows (default: the rollout's, `programs.rollout_rows`:
-  every dialogue of a step, or `rollout.rows` of them); `compile_cost` is swappable so tests can count compiles.
+  every dialogue of a step, or `rollout.rows` of them, padded to the role's batch shards);
+  `compile_cost` is swappable so tests can count compiles.
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh, *, layout: str = ap.TPU_CACHE_LAYOUT,
-               rows: int | None = None, compile_cost: Callable = compiled_cost,
-               log: Callable[[str], None] = lambda _: None):
-    self.config, self.mesh, self.layout, self.log = config, mesh, layout, log
-    self.rows = rows or ap.rollout_rows(config, mesh)
+  def __init__(self, config: ml_collections.ConfigDict, layouts: Layouts, *,
+               layout: str = ap.TPU_CACHE_LAYOUT, rows: int | None = None,
+               compile_cost: Callable = compiled_cost, log: Callable[[str], None] = lambda _: None):
+    self.config, self.layouts, self.layout, self.log = config, layouts, layout, log
+    self.mesh = layouts.train
+    self._rows = rows
     self.compile_cost = compile_cost
     self._kept: dict[tuple, Cost] = {}
     self.compiles = 0
 
-  def _cost(self, key: tuple, build: Callable[[], tuple]) -> Cost:
+  def rows(self, role: str) -> int:
+    return self._rows or ap.rollout_rows(self.config, self.layouts.for_role(role))
+
+  def _cost(self, key: tuple, build: Callable[[], tuple], mesh: Mesh) -> Cost:
     if key not in self._kept:
       fn, args = build()
-      self._kept[key] = self.compile_cost(fn, args, self.mesh)
+      if key[0] == "reshard":
+        self._kept[key] = self.compile_cost(fn, args, mesh, between_meshes=True)
+      else:
+        self._kept[key] = self.compile_cost(fn, args, mesh)
       self.compiles += 1
       self.log(f"compiled {key}: {self._kept[key]}")
     return self._kept[key]
 
   def _shape(self, role: str, layers: int) -> cp.SamplerShape:
-    model, _, max_len, max_new = ap._sampler_role(self.config, role, self.mesh)
-    return cp.SamplerShape(cp.with_layers(model, layers), self.rows, max_len, max_new, self.layout)
+    model, _, max_len, max_new = ap._sampler_role(self.config, role)
+    return cp.SamplerShape(cp.with_layers(model, layers), self.rows(role), max_len, max_new, self.layout)
 
   def _layers(self, role: str) -> int:
     model = ap.policy_model(self.config) if role == "policy" else ap.simulator_model(self.config)
@@ -187,25 +203,44 @@ class CostModel:
     windows = window_buckets(max_len)
     ends = (windows[0], windows[-1]) if len(windows) > 1 else (windows[0],)
     L = self._layers(role)
+    mesh = self.layouts.for_role(role)
 
     def at(layers: int, w: int) -> Cost:
       shape = self._shape(role, layers)
-      build = ((lambda: cp.decode_call(shape, w, self.mesh)) if kind == "decode"
-               else (lambda: cp.append_call(shape, tokens, w, self.mesh)))
-      return self._cost((role, kind, tokens, w, layers), build)
+      build = ((lambda: cp.decode_call(shape, w, mesh)) if kind == "decode"
+               else (lambda: cp.append_call(shape, tokens, w, mesh)))
+      return self._cost((role, kind, tokens, w, layers), build, mesh)
 
     by_window = {w: extrapolate({d: at(d, w) for d in _depths(L)}, L) for w in ends}
     return extrapolate(by_window, window)
 
+  def decode_bytes_line(self, role: str) -> tuple[float, float]:
+    """(bytes a decode step reads whatever its window, bytes per window slot) per device, at the
+    model's depth: the line through the decode step's cost at the smallest and largest window."""
+    windows = window_buckets((self.config.policy if role == "policy" else self.config.simulator)
+                             .max_context)
+    w0, w1 = windows[0], windows[-1]
+    b0, b1 = (self.sampler_call(role, "decode", None, w).bytes for w in (w0, w1))
+    slope = (b1 - b0) / (w1 - w0) if w1 > w0 else 0.0
+    return b0 - slope * w0, slope
+
   def update_micro_batch(self, rows: int, length: int, critic: bool = False) -> Cost:
     L = self._layers("policy")
     return extrapolate({d: self._cost(("update", critic, rows, length, d), lambda d=d: cp.update_call(
-        self.config, self.mesh, rows=rows, length=length, critic=critic, layers=d)) for d in _depths(L)}, L)
+        self.config, self.mesh, rows=rows, length=length, critic=critic, layers=d), self.mesh)
+        for d in _depths(L)}, L)
 
   def forward_micro_batch(self, rows: int, length: int) -> Cost:
     L = self._layers("policy")
     return extrapolate({d: self._cost(("forward", rows, length, d), lambda d=d: cp.forward_call(
-        self.config, self.mesh, rows=rows, length=length, layers=d)) for d in _depths(L)}, L)
+        self.config, self.mesh, rows=rows, length=length, layers=d), self.mesh) for d in _depths(L)}, L)
+
+  def reshard(self) -> Cost:
+    """The policy's decode copy refreshed from the training params (`programs.reshard_program`)."""
+    L = self._layers("policy")
+    return extrapolate({d: self._cost(("reshard", d), lambda d=d: cp.reshard_call(
+        self.config, self.layouts.train, self.layouts.policy, layers=d), self.mesh)
+        for d in _depths(L)}, L)
 
 
 @dataclasses.dataclass
@@ -234,55 +269,75 @@ class PhaseTime:
     return f"{name} ({self.by_bound[name] / self.seconds:.0%} of its time)"
 
 
-def estimate(model: CostModel, calls: Calls, chip: ChipSpec) -> dict[str, PhaseTime]:
-  """Seconds per phase of the step whose program calls are `calls`."""
-  phases = {p: PhaseTime() for p in PHASES}
-  for role, kind, tokens, window, n in sampler_keys(calls):
+def estimate(model: CostModel, calls: Calls, chip: ChipSpec,
+             only: tuple[str, ...] = PHASES) -> dict[str, PhaseTime]:
+  """Seconds per phase of the step whose program calls are `calls`; phases not in `only` are left
+  out (each program compiles for minutes on a CPU machine), decodes first."""
+  phases = {p: PhaseTime() for p in PHASES if p in only}
+  for role, kind, tokens, window, n in sorted(sampler_keys(calls), key=lambda k: k[1] != "decode"):
     phase = f"{role} decode" if kind == "decode" else "prefills"
-    phases[phase].add(model.sampler_call(role, kind, tokens, window), n, chip)
+    if phase in phases:
+      phases[phase].add(model.sampler_call(role, kind, tokens, window), n, chip)
   micro = calls.get("update/micro_batches", 0.0)
-  if micro:
+  if micro and "update" in phases:
     rows, length = int(calls["update/rows"]), int(calls["update/length"])
     phases["update"].add(model.update_micro_batch(rows, length), micro, chip)
     if model.config.algo == "ppo":
       phases["update"].add(model.update_micro_batch(rows, length, critic=True), micro, chip)
     phases["update"].add(model.forward_micro_batch(rows, length), calls.get("forward/micro_batches", 0.0),
                          chip)
+  if model.layouts.policy_copy and "reshard" in phases:  # once per step, after the update
+    phases["reshard"].add(model.reshard(), 1, chip)
   return phases
 
 
+def phase_layouts(layouts: Layouts) -> dict[str, str]:
+  """The mesh (data x fsdp x tensor) each phase's programs ran on, for the table."""
+  policy, sim, train = (layouts.shape(r) for r in ("policy", "simulator", "train"))
+  return {"policy decode": policy, "simulator decode": sim,
+          "prefills": f"policy {policy}, simulator {sim}", "update": train,
+          "reshard": f"{train} -> {policy}"}
+
+
 def format_estimate(phases: dict[str, PhaseTime], chip: ChipSpec, measured: dict[str, float],
-                    header: str) -> str:
+                    header: str, layouts: dict[str, str] | None = None) -> str:
   """The phases as a Markdown table, the total, the measured seconds if known, and the assumptions.
   "collectives" counts the collective ops a device runs; "seconds with link time" prices each call at
   the larger of its roofline and its link time (bytes over the link plus every ring step's latency)."""
-  lines = [header, "", "| phase | calls | TFLOP / device | HBM GB / device | link GB / device | "
-           "collectives | seconds (roofline) | bound | seconds with link time |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  layouts = layouts or {}
+  lines = [header, "", "| phase | layout | calls | TFLOP / device | HBM GB / device | "
+           "link GB / device | collectives | seconds (roofline) | bound | seconds with link time |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for name, p in phases.items():
-    lines.append(f"| {name} | {p.calls:,.0f} | {p.cost.flops / 1e12:.3f} | {p.cost.bytes / 1e9:.2f} | "
-                 f"{p.cost.link_bytes / 1e9:.2f} | {p.cost.link_ops:,.0f} | {p.seconds:.3f} | {p.bound} | "
-                 f"{p.seconds_with_links:.3f} |")
+    lines.append(f"| {name} | {layouts.get(name, '-')} | {p.calls:,.0f} | {p.cost.flops / 1e12:.3f} | "
+                 f"{p.cost.bytes / 1e9:.2f} | {p.cost.link_bytes / 1e9:.2f} | {p.cost.link_ops:,.0f} | "
+                 f"{p.seconds:.3f} | {p.bound} | {p.seconds_with_links:.3f} |")
+  for name in PHASES:
+    if name not in phases:
+      lines.append(f"| {name} | {layouts.get(name, '-')} | not estimated (--phases) | | | | | | | |")
   total = sum(p.seconds for p in phases.values())
-  rollout = total - phases["update"].seconds
+  update = phases["update"].seconds if "update" in phases else 0.0
+  rollout = total - update - (phases["reshard"].seconds if "reshard" in phases else 0.0)
   linked = sum(p.seconds_with_links for p in phases.values())
-  lines.append(f"| step | | | | | | {total:.3f} | rollout {rollout:.3f} s, update "
-               f"{phases['update'].seconds:.3f} s | {linked:.3f} |")
+  partial = "" if set(phases) == set(PHASES) else " (estimated phases only)"
+  lines.append(f"| step{partial} | | | | | | | {total:.3f} | rollout {rollout:.3f} s, update "
+               f"{update:.3f} s | {linked:.3f} |")
   if "rollout_seconds" in measured:
     got = measured["rollout_seconds"] + measured.get("update_seconds", 0.0)
     lines.append(f"\nmeasured: rollout {measured['rollout_seconds']:.2f} s, update "
                  f"{measured.get('update_seconds', 0.0):.2f} s; measured / predicted = "
                  f"{measured['rollout_seconds'] / max(rollout, 1e-12):.2f} (rollout), "
-                 f"{measured.get('update_seconds', 0.0) / max(phases['update'].seconds, 1e-12):.2f} "
+                 f"{measured.get('update_seconds', 0.0) / max(update, 1e-12):.2f} "
                  f"(update), {got / max(total, 1e-12):.2f} (step)")
   lines.append(f"\nassumptions: {chip.name} at {chip.flops_per_s / 1e12:g} TFLOP/s, "
                f"{chip.bytes_per_s / 1e9:g} GB/s memory and {chip.link_bytes_per_s / 1e9:g} GB/s "
                f"interconnect per device, {chip.hop_latency_s * 1e6:g} us per ring step of a "
                "collective; each call at the larger of its FLOP and memory time (XLA's "
-               "cost analysis per device, loops unrolled, 2-3 layers extrapolated, windows "
+               "cost analysis per device, loops unrolled, 3-4 layers extrapolated, windows "
                "interpolated), the last column also at its collectives' link time if larger (bytes "
                "and ops from the HLO, ring algorithms, no overlap assumed beyond the max); no host work or "
                "dispatch; the optimizer update "
                "counted once per micro-batch; scoring passes (old and reference log-probs, critic "
-               "values) costed as the policy's log-prob pass.")
+               "values) costed as the policy's log-prob pass; the reshard (training params cast "
+               "and moved to the policy's decode layout) once per step.")
   return "\n".join(lines)

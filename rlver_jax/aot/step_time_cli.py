@@ -19,10 +19,10 @@ from absl import flags
 
 from rlver_jax.aot import plan as run_plan
 from rlver_jax.aot import programs as ap
-from rlver_jax.aot import step_calls, step_time
+from rlver_jax.aot import floor, step_calls, step_time
 from rlver_jax.aot.chips import ChipSpec, chip_for_kind
-from rlver_jax.aot.report import _mesh
-from rlver_jax.aot.topology import AotError, get_topology
+from rlver_jax.aot.report import run_layouts
+from rlver_jax.aot.topology import AotError, get_topology, hbm_per_device
 from rlver_jax.sampling.kv_cache import default_layout
 from rlver_jax.spec import RunSpec
 
@@ -30,6 +30,8 @@ _CALLS_FROM = flags.DEFINE_string("calls_from", None, "metrics.jsonl[:STEP] whos
                                   "(default: stated lengths).")
 _ROWS = flags.DEFINE_integer("rows", None, "Dialogues holding cache rows at once (continuous batching; "
                              "default: the config's rollout.rows; 0 = lockstep, every dialogue).")
+_PHASES = flags.DEFINE_list("phases", list(step_time.PHASES), "Phases to estimate (each program "
+                            "compiles for minutes here): " + ", ".join(step_time.PHASES))
 _FLOPS = flags.DEFINE_float("chip_flops", None, "Peak FLOP/s per device (default: the chip's nominal).")
 _BANDWIDTH = flags.DEFINE_float("chip_bandwidth", None, "Memory bytes/s per device (default: nominal).")
 _LENGTHS = {
@@ -95,17 +97,34 @@ def run_estimate(config: ml_collections.ConfigDict, topology: str) -> str:
   except ValueError as e:
     raise AotError(str(e)) from None
   devices = _devices(topology)
-  mesh = _mesh(config, devices, None)
   layout = default_layout("cpu") if topology == "cpu" else ap.TPU_CACHE_LAYOUT
+  hbm = None if topology == "cpu" else hbm_per_device(devices)
+  layouts = run_layouts(config, devices, None, hbm)
   chip = _chip(devices)
   try:
-    calls, measured, source = _calls(config, mesh)
-    model = step_time.CostModel(config, mesh, layout=layout,
+    calls, measured, source = _calls(config, layouts.train)
+    model = step_time.CostModel(config, layouts, layout=layout,
                                 log=lambda line: print(line, file=sys.stderr, flush=True))
   except ValueError as e:
     raise AotError(str(e)) from None
-  phases = step_time.estimate(model, calls, chip)
-  mesh_shape = "x".join(str(mesh.shape[a]) for a in ("data", "fsdp", "tensor"))
-  return step_time.format_estimate(phases, chip, measured, header=(
-      f"step time on {topology} (mesh {mesh_shape}, {model.rows} cache rows, {layout_word(config)}), "
-      f"{source}; {model.compiles} programs compiled"))
+  unknown = [p for p in _PHASES.value if p not in step_time.PHASES]
+  if unknown:
+    raise AotError(f"--phases: unknown phase {unknown[0]!r}; known: {', '.join(step_time.PHASES)}")
+  phases = step_time.estimate(model, calls, chip, tuple(_PHASES.value))
+  rows = ", ".join(f"{r} {model.rows(r)}" for r in ("policy", "simulator"))
+  table = step_time.format_estimate(phases, chip, measured, header=(
+      f"step time on {topology} ({layouts.describe()}; cache rows {rows}, {layout_word(config)}), "
+      f"{source}; {model.compiles} programs compiled"), layouts=step_time.phase_layouts(layouts))
+  floors = [f for f in (floor.decode_floor(config, calls, r, len(devices), chip)
+                        for r in ("policy", "simulator")) if f]
+  seconds = {r: (phases[f"{r} decode"].seconds, phases[f"{r} decode"].seconds_with_links)
+             for r in ("policy", "simulator") if f"{r} decode" in phases}
+  floors = [f for f in floors if f.role in seconds]
+  splits = {}
+  for f in floors:
+    decode_model = ap._sampler_role(config, f.role)[0]
+    shard = run_plan.per_device_bytes(ap.abstract_params(decode_model, layouts.for_role(f.role))[1])
+    splits[f.role] = floor.Split(*model.decode_bytes_line(f.role), floor.kv_bytes_per_slot(
+        decode_model) * model.rows(f.role) / len(devices), shard)
+  return table + ("\n\n" + floor.format_floors(floors, seconds, len(devices), splits, chip)
+                  if floors else "")

@@ -10,6 +10,9 @@
   (analyses, plans, drafts, corrections) are rewound out of the context once they are read
   (`SimulatorBackend.rewind`), so the context stays append-only and a model backend never
   re-prefills: after a turn its KV rows hold exactly the transcript.
+- "sage": as the SAGE benchmark's simulator: the reference flow, but the reply step's request also
+  holds the inner-reaction section (SAGE passes its target-completion, activity and analysis
+  parts: fit, inner reaction and feeling here).
 
 Backends: the co-located model rewinds its KV rows; the HTTP backend re-sends each row's message
 list, so it posts the same messages; the scripted rules do not read the context
@@ -21,7 +24,9 @@ from rlver_jax.env import simulator_prompts as prompts
 from rlver_jax.env.backends import Message
 from rlver_jax.env.parsing import before_change_label, labelled_sections
 
-INFO_FLOWS = ("chat", "reference")
+INFO_FLOWS = ("chat", "reference", "sage")
+# The analysis sections (simulator_prompts.ANALYSIS_LABELS indices) each flow's reply step reads.
+READ_SECTIONS = {"reference": prompts.READ_SECTIONS, "sage": (1, 2, 3)}
 # Messages of the opening a reference transcript keeps: the system prompt and the opening request
 # (the answer is replaced by its line alone).
 OPENING_KEPT = 2
@@ -51,12 +56,13 @@ def reply_message(info_flow: str, analysis: str, emotion: int, state: str, langu
   """The reply step's request: with the number (chat), or with the state label and the reading."""
   if info_flow == "chat":
     return _user(prompts.reply_instruction(emotion, state, language, passive))
-  return _user(prompts.reference_reply_instruction(state, reading(analysis, language), language,
-                                                   passive))
+  return _user(prompts.reference_reply_instruction(
+      state, reading(analysis, language, READ_SECTIONS[info_flow]), language, passive))
 
 
-def reading(analysis: str, language: str) -> str:
-  """The fit and feeling sections of an analysis, each under its label ("" when neither is there).
+def reading(analysis: str, language: str, read: tuple[int, ...] = prompts.READ_SECTIONS) -> str:
+  """The analysis's sections `read` (ANALYSIS_LABELS indices; default: fit and feeling), each under
+  its label ("" when none is there).
 
   Each is cut at a change label, so a change written on a section's own line stays out too.
   """
@@ -64,7 +70,7 @@ def reading(analysis: str, language: str) -> str:
   sections = labelled_sections(analysis, labels + (prompts.CHANGE_LABEL[language],))
   colon = "：" if language == "zh" else ": "
   out = []
-  for i in prompts.READ_SECTIONS:
+  for i in read:
     body = before_change_label(sections.get(labels[i], ""))
     if body:
       out.append(f"{labels[i]}{colon}{body}")

@@ -20,7 +20,8 @@ import jax
 import numpy as np
 
 from rlver_jax.env.answer_stops import sequence_stops
-from rlver_jax.env.chat import SYSTEM_PROMPTS, parse_policy_output, policy_system_prompt
+from rlver_jax.env.chat import (SYSTEM_PROMPTS, TRAINING_PROMPTS, parse_policy_output,
+                                policy_system_prompt)
 from rlver_jax.env.profiles import Profile
 from rlver_jax.env.scheduler import AdmissionQueue, RowSlots, dialogue_keys
 from rlver_jax.env.simulator import SimulatedUsers
@@ -45,6 +46,7 @@ class RolloutConfig:
   format_penalty: bool = False   # think mode: reward 0 when any turn breaks the think format
   language: str | None = None    # policy system prompt language; None: each profile's own
   system_prompt: str = "training"  # or "chat_partner", "sage" (chat.SYSTEM_PROMPTS)
+  training_prompt: str = "project"  # which training prompt "training" is (chat.TRAINING_PROMPTS)
   share_prefix: bool = True      # rows of a group with the same opening prompt prefill it once
   stop_sequences: tuple[str, ...] = ()  # strings that end a policy turn on device (answer_stops)
   rows: int = 0                  # cache rows lent to dialogues (0: all at once, one key per turn)
@@ -58,6 +60,9 @@ class RolloutConfig:
     if self.system_prompt not in SYSTEM_PROMPTS:
       raise ValueError(f"unknown system_prompt {self.system_prompt!r}; expected one of "
                        f"{SYSTEM_PROMPTS}")
+    if self.training_prompt not in TRAINING_PROMPTS:
+      raise ValueError(f"unknown training_prompt {self.training_prompt!r}; expected one of "
+                       f"{TRAINING_PROMPTS}")
 
   @property
   def split_turns(self) -> bool:
@@ -262,7 +267,8 @@ class _Rollout:
 
   def _opening_row(self, b: int, profile: Profile, opening: str) -> _Row:
     lang = self.cfg.language or profile.language
-    system = policy_system_prompt(self.cfg.think, lang, self.cfg.system_prompt)
+    system = policy_system_prompt(self.cfg.think, lang, self.cfg.system_prompt,
+                                  self.cfg.training_prompt)
     ctx = self.chat.conversation([{"role": "system", "content": system},
                                   {"role": "user", "content": opening}], add_generation_prompt=True)
     # Room must remain for at least one sampled token and the closing <|im_end|>; else the policy's

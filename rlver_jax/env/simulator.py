@@ -12,7 +12,7 @@ is an append-only chat message list (see simulator_prompts for the texts):
 Only the line of the last reply marker reaches the policy. An answer without one (or with nothing
 after it) is re-asked like an unreadable change line; the text around that line is private
 planning, so after the retries the user says nothing that turn (`_SILENT_REPLY`).
-That is the "chat" information flow; in the "reference" one (see info_flow) each step's private
+That is the "chat" information flow; in the "reference" and "sage" ones (see info_flow) each step's private
 answers are rewound out of the context once read, and the transcript keeps only the exchange.
 
 Rows are dialogue ids fixed at construction; every call addresses rows by id, never by position
@@ -67,7 +67,7 @@ class SimulatedUsers:
   prefills its preset `first_talk`), the others get its record and its backend context
   (`clone_rows`), so every member's simulator and policy see the same first line.
 
-  `info_flow` ("chat" or "reference", see info_flow) sets what the simulator's steps see of each
+  `info_flow` ("chat", "reference" or "sage", see info_flow) sets what the simulator's steps see of each
   other; with a backend that does not read its context (`reads_context` False) it is "chat".
   """
 

@@ -24,8 +24,10 @@ from rlver_jax.evaluation.scoring import check_no_simulator_errors, summarize
 from rlver_jax.env.profiles import Profile
 from rlver_jax.env.rollout import Dialogue, RolloutConfig, run_dialogues
 from rlver_jax.env.simulator import SimulatedUsers
+from rlver_jax.models.presets import param_dtype_of
 from rlver_jax.models.tokenizer import ChatTokens
 from rlver_jax.parallel.process_zero import on_process_zero
+from rlver_jax.run.progress import Progress
 from rlver_jax.run.saved_config import check_inputs_on_every_host
 from rlver_jax.sampling.sampler import Sampler
 from rlver_jax.run.saved_config import config_json
@@ -56,8 +58,7 @@ def run_profiles(profiles: Sequence[Profile], backend, *, sampler: Sampler, para
 
   Batch i samples with `fold_in(rng, i)`; `group_id` is the profile's index in `profiles`.
   """
-  from tqdm import tqdm
-  bar = tqdm(total=len(profiles), desc="eval", unit="dialogue", disable=not progress)
+  bar = Progress(len(profiles), 0, enabled=progress, desc="eval", unit="dialogues")
   dialogues: list[Dialogue] = []
   for i, start in enumerate(range(0, len(profiles), users.batch_size)):
     batch = list(profiles[start:start + users.batch_size])
@@ -65,8 +66,7 @@ def run_profiles(profiles: Sequence[Profile], backend, *, sampler: Sampler, para
     dialogues += run_dialogues(batch, list(range(start, start + len(batch))), simulated, sampler=sampler,
                                params=params, chat=chat, cfg=rollout, rng=jax.random.fold_in(rng, i))
     check_no_simulator_errors(dialogues, backend, "evaluation")
-    bar.update(len(batch))
-    bar.set_postfix(score=f"{np.mean([d.final_emotion for d in dialogues]):.1f}")
+    bar.update(len(batch), {"score": f"{np.mean([d.final_emotion for d in dialogues]):.1f}"})
   bar.close()
   return dialogues
 
@@ -167,15 +167,22 @@ def run(config: ml_collections.ConfigDict | EvaluationSpec, workdir: str) -> tup
   profiles = select_profiles(build.profiles_from(spec.data.profiles), spec.eval.num_profiles,
                              spec.data.profiles)
   t0 = time.perf_counter()
-  with jax.set_mesh(mesh):
-    model, chat, path = build.load_policy(spec.policy, mesh)
-    sampler = build.policy_sampler(model, chat, spec.policy, mesh)
-    backend = build.simulator_backend(spec.simulator, mesh, seed=spec.seed)
-    dialogues = run_profiles(profiles, backend, sampler=sampler, params=nnx.state(model, nnx.Param),
-                             chat=chat, rollout=rollout, users=spec.eval, simulator=spec.simulator,
-                             rng=jax.random.key(spec.seed),
-                             progress=spec.log.progress_bar and jax.process_index() == 0)
+  # Nothing trains here: each model loads straight into its decode layout (spec/layouts.py).
+  layouts = {"train": build.train_layout(spec.mesh, mesh)}
+  policy_mesh, layouts["policy_rollout"] = build.decode_mesh(
+      spec.rollout.policy_mesh, "rollout.policy_mesh", build.policy_config(spec.policy), spec.mesh,
+      mesh, param_dtype_of(spec.policy.param_dtype), "policy rollout")
+  sim_mesh, layouts["simulator"] = build.simulator_mesh(spec.simulator, spec.mesh, mesh)
+  with jax.set_mesh(policy_mesh):
+    model, chat, path = build.load_policy(spec.policy, policy_mesh)
+  sampler = build.policy_sampler(model, chat, spec.policy, policy_mesh)
+  backend = build.simulator_backend(spec.simulator, sim_mesh, seed=spec.seed)
+  dialogues = run_profiles(profiles, backend, sampler=sampler, params=nnx.state(model, nnx.Param),
+                           chat=chat, rollout=rollout, users=spec.eval, simulator=spec.simulator,
+                           rng=jax.random.key(spec.seed),
+                           progress=spec.log.progress_bar and jax.process_index() == 0)
   summary = eval_summary(dialogues)
   summary.update(policy_checkpoint=path, eval_seconds=time.perf_counter() - t0,
-                 config=json.loads(config_json(spec.source)), provenance=provenance.describe(spec))
+                 config=json.loads(config_json(spec.source)),
+                 provenance={**provenance.describe(spec), "layouts": layouts})
   return summary, write_outputs(workdir, dialogues, summary, spec.source)

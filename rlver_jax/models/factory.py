@@ -22,10 +22,10 @@ def _is_var(x) -> bool:
 
 
 def abstract_model(config: Qwen2Config, *, head: Head = "lm", param_dtype=jnp.float32,
-                   dtype=jnp.bfloat16, remat: RematPolicy = "none") -> Qwen2:
+                   dtype=jnp.bfloat16, remat: RematPolicy = "none", int8_weights: bool = False) -> Qwen2:
   """The model with ShapeDtypeStruct leaves (nothing allocated)."""
   return nnx.eval_shape(lambda: Qwen2(config, rngs=nnx.Rngs(0), head=head, param_dtype=param_dtype,
-                                      dtype=dtype, remat=remat))
+                                      dtype=dtype, remat=remat, int8_weights=int8_weights))
 
 
 def state_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> nnx.State:
@@ -61,15 +61,18 @@ def _warn_once(message: str) -> None:  # policy, critic and simulator often shar
 
 def create_model(config: Qwen2Config, *, mesh: Mesh | None = None, rules: ShardingRules = DEFAULT_RULES,
                  seed: int = 0, head: Head = "lm", param_dtype=jnp.float32, dtype=jnp.bfloat16,
-                 remat: RematPolicy = "none", init_std: float = 0.02) -> Qwen2:
-  """Randomly initialised model whose params are created directly in their target shardings."""
+                 remat: RematPolicy = "none", init_std: float = 0.02,
+                 int8_weights: bool = False) -> Qwen2:
+  """Randomly initialised model whose params are created directly in their target shardings
+  (with `int8_weights`, the same random weights quantized, inside the same jitted init)."""
   def init():
     model = Qwen2(config, rngs=nnx.Rngs(seed), head=head, param_dtype=param_dtype, dtype=dtype,
-                  remat=remat, init_std=init_std)
+                  remat=remat, init_std=init_std, int8_weights=int8_weights)
     return nnx.state(model)
 
   graphdef, abstract_state = nnx.split(abstract_model(config, head=head, param_dtype=param_dtype,
-                                                      dtype=dtype, remat=remat))
+                                                      dtype=dtype, remat=remat,
+                                                      int8_weights=int8_weights))
   if mesh is None:
     return nnx.merge(graphdef, jax.jit(init)())
   shardings = state_shardings(abstract_state, mesh, rules)

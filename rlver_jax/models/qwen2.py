@@ -9,6 +9,8 @@ L axis and run with `lax.scan`, so compile time does not grow with depth.
 
 Numerics: norms, RoPE, softmax and everything after the LM head run in fp32 (bf16 loses too much
 precision in variance sums, rotation angles and log-probs); matmuls run in `dtype` with fp32 accumulation.
+A frozen model may hold its linear weights in int8 (`int8_weights`, `models/quant.py`): each weight
+`w` then has a `w_scale` per output channel, applied to the fp32 accumulator.
 """
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rlver_jax.models import quant
 from rlver_jax.models.presets import Qwen2Config
+from rlver_jax.models.quant import QuantizedKV
 from rlver_jax.parallel.sharding import constrain
 
 RematPolicy = Literal["none", "full", "dots"]
@@ -91,15 +95,20 @@ class Qwen2(nnx.Module):
 
   def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs, head: Head = "lm",
                param_dtype=jnp.float32, dtype=jnp.bfloat16, remat: RematPolicy = "none",
-               init_std: float = 0.02):
+               init_std: float = 0.02, int8_weights: bool = False):
     self.config = config
     self.head = head
     self.dtype = dtype
     self.remat = remat
+    self.int8_weights = int8_weights
     self.layers = _Stacked()
     for path, spec in param_specs(config, head).items():
       owner, name = (self.layers, path.split(".")[1]) if path.startswith("layers.") else (self, path)
       value = _init_value(spec, rngs.params(), param_dtype, init_std)
+      if int8_weights and path in quant.INPUT_AXES:
+        value, scale = quant.quantize(value, quant.input_dims(path, spec.logical_axes))
+        setattr(owner, name + quant.SCALE_SUFFIX,
+                nnx.Param(scale, logical_axes=quant.scale_axes(path, spec.logical_axes)))
       setattr(owner, name, nnx.Param(value, logical_axes=spec.logical_axes))
 
   # -- public entry points -------------------------------------------------------------------------
@@ -145,9 +154,12 @@ class Qwen2(nnx.Module):
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """LM head: [..., D] -> fp32 logits [..., V]."""
-    w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+    name = "embed" if self.config.tie_word_embeddings else "lm_head"
+    w = self.embed[...].T if name == "embed" else self.lm_head[...]
     out = jnp.einsum("...d,dv->...v", hidden.astype(self.dtype), w.astype(self.dtype),
                      preferred_element_type=_F32)
+    if self.int8_weights:
+      out = out * getattr(self, name + quant.SCALE_SUFFIX)[...]  # [V], per vocabulary row
     return constrain(out, ("batch",) + ("seq",) * (out.ndim - 2) + ("act_vocab",))
 
   def values(self, hidden: jax.Array) -> jax.Array:
@@ -157,7 +169,10 @@ class Qwen2(nnx.Module):
   # -- internals -----------------------------------------------------------------------------------
 
   def _embed(self, input_ids):
-    x = jnp.take(self.embed[...], input_ids, axis=0).astype(self.dtype)
+    x = jnp.take(self.embed[...], input_ids, axis=0)
+    if self.int8_weights:
+      x = x.astype(_F32) * jnp.take(self.embed_scale[...], input_ids, axis=0)[..., None]
+    x = x.astype(self.dtype)
     return constrain(x, ("batch", "seq", "act_embed"))
 
   def _run_layers(self, x, positions, mask: BlockMask, cache: LayerCache | None):
@@ -207,40 +222,51 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def _proj(x, w, dtype, spec: str):
-  return jnp.einsum(spec, x, w.astype(dtype), preferred_element_type=_F32).astype(dtype)
+def _proj(x, p, name: str, dtype, spec: str):
+  """x times weight p[name]; an int8 weight's scale (its output dims, the einsum's trailing ones)
+  multiplies the fp32 accumulator."""
+  out = jnp.einsum(spec, x, p[name].astype(dtype), preferred_element_type=_F32)
+  scale = p.get(name + quant.SCALE_SUFFIX)
+  return (out if scale is None else out * scale).astype(dtype)
 
 
 def _block(x, p, cos, sin, mask: BlockMask, window_kv, *, config: Qwen2Config, dtype):
   """One decoder layer. Without a cache (window_kv None): attention over the new tokens only.
 
   With one (this layer's (k, v) window [B, K, W, Dh]) attention runs over the window and the new
-  tokens, and the new tokens' (k, v) [B, K, T, Dh] are returned for the cache to write.
+  tokens, and the new tokens' (k, v) [B, K, T, Dh] are returned for the cache to write. An int8
+  window (`QuantizedKV`) makes the new tokens int8 too, before they are attended: every token is
+  then seen as the cache holds it, so an append equals a re-prefill however the tokens were chunked.
   """
   c = config
   h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-  q = _proj(h, p["wq"], dtype, "btd,dhk->bthk")
-  k = _proj(h, p["wk"], dtype, "btd,dhk->bthk")
-  v = _proj(h, p["wv"], dtype, "btd,dhk->bthk")
+  q = _proj(h, p, "wq", dtype, "btd,dhk->bthk")
+  k = _proj(h, p, "wk", dtype, "btd,dhk->bthk")
+  v = _proj(h, p, "wv", dtype, "btd,dhk->bthk")
   if c.qkv_bias:
     q, k, v = q + p["bq"].astype(dtype), k + p["bk"].astype(dtype), v + p["bv"].astype(dtype)
   q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "act_heads", None))
   k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "act_kv_heads", None))
   v = constrain(v, ("batch", "seq", "act_kv_heads", None))
   own_kv = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))  # [B, K, T, Dh], the segments' layout
-  window = None if window_kv is None else tuple(a.astype(dtype) for a in window_kv)
+  window = None
+  if window_kv is not None and isinstance(window_kv[0], QuantizedKV):
+    window, own_kv = window_kv, tuple(QuantizedKV.of(a) for a in own_kv)
+  elif window_kv is not None:
+    window = tuple(a.astype(dtype) for a in window_kv)
   attn = segment_attention(q, mask.segments(window, own_kv))
-  x = x + _proj(attn, p["wo"], dtype, "bthk,hkd->btd")
+  x = x + _proj(attn, p, "wo", dtype, "bthk,hkd->btd")
   x = constrain(x, ("batch", "seq", "act_embed"))
   h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-  gate = _proj(h, p["w_gate"], dtype, "btd,df->btf")
-  up = _proj(h, p["w_up"], dtype, "btd,df->btf")
+  gate = _proj(h, p, "w_gate", dtype, "btd,df->btf")
+  up = _proj(h, p, "w_up", dtype, "btd,df->btf")
   act = constrain(jax.nn.silu(gate.astype(_F32)).astype(dtype) * up, ("batch", "seq", "act_mlp"))
-  x = x + _proj(act, p["w_down"], dtype, "btf,fd->btd")
+  x = x + _proj(act, p, "w_down", dtype, "btf,fd->btd")
   return constrain(x, ("batch", "seq", "act_embed")), (None if window_kv is None else own_kv)
 
 
-Segment = tuple[jax.Array, jax.Array, jax.Array]  # keys, values [B, K, S, Dh]; mask [B, T, S]
+# keys, values [B, K, S, Dh] (arrays, or int8 `QuantizedKV`); mask [B, T, S]
+Segment = tuple[Any, Any, jax.Array]
 
 
 @jax.tree_util.register_dataclass
@@ -323,18 +349,29 @@ def _attend(q: jax.Array, segments: tuple[Segment, ...]) -> jax.Array:
   (the einsum written directly on [B, T, K, G, Dh]) fell back to a loop nest ~2.7x slower at 1k tokens.
   """
   B, T, H, Dh = q.shape
-  K = segments[0][0].shape[1]
+  K = _operand(segments[0][0], q.dtype)[0].shape[1]
   G = H // K
   qg = q.reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, Dh)
   scores = []
   for k, _, mask in segments:
-    s = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=_F32) / math.sqrt(Dh)
+    k, k_scale = _operand(k, q.dtype)
+    s = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=_F32)
+    s = (s if k_scale is None else s * k_scale[:, :, None, :]) / math.sqrt(Dh)
     scores.append(jnp.where(mask[:, None, None], s.reshape(B, K, G, T, -1), _MASKED))
   top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
   exps = [jnp.exp(s - top) for s in scores]
   total = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)  # >= 1: the max term is exp(0)
   out = 0.0
   for e, (_, v, _) in zip(exps, segments):
-    p = (e / total).reshape(B, K, G * T, -1).astype(v.dtype)
+    v, v_scale = _operand(v, q.dtype)
+    p = (e / total).reshape(B, K, G * T, -1)
+    p = (p if v_scale is None else p * v_scale[:, :, None, :]).astype(v.dtype)
     out = out + jnp.einsum("bkqs,bksd->bkqd", p, v, preferred_element_type=_F32)
   return out.reshape(B, K, G, T, Dh).transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh).astype(q.dtype)
+
+
+def _operand(x, dtype) -> tuple[jax.Array, jax.Array | None]:
+  """(matmul operand, per-slot scale [B, K, S] or None) of a segment's keys or values."""
+  if isinstance(x, QuantizedKV):
+    return x.values.astype(dtype), x.scale
+  return x, None

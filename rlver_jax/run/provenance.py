@@ -29,11 +29,12 @@ _PROBE = Profile(id="probe", player="<player>", scene="<scene>", main_cha="<main
                  cha_group=("<cha_group>",), task="<task>")
 
 
-def rendered_prompts(think: bool, style: str) -> dict[str, str]:
-  """Every prompt template of the policy and the simulator, rendered for both languages."""
+def rendered_prompts(think: bool, style: str, training: str = "project") -> dict[str, str]:
+  """Every prompt template of the policy (`training`: policy.prompt) and the simulator, rendered
+  for both languages."""
   out = {}
   for lang in sim_prompts.LANGUAGES:
-    out[f"policy_system/{lang}"] = policy_system_prompt(think, lang)
+    out[f"policy_system/{lang}"] = policy_system_prompt(think, lang, training=training)
     out[f"simulator_system/{lang}"] = sim_prompts.system_prompt(_PROBE, style, lang)
     for passive in (False, True):
       out[f"opening/{lang}/{passive}"] = sim_prompts.opening_instruction(lang, passive)
@@ -44,8 +45,8 @@ def rendered_prompts(think: bool, style: str) -> dict[str, str]:
   return out
 
 
-def prompts_sha256(think: bool, style: str) -> str:
-  blob = json.dumps(rendered_prompts(think, style), sort_keys=True, ensure_ascii=False)
+def prompts_sha256(think: bool, style: str, training: str = "project") -> str:
+  blob = json.dumps(rendered_prompts(think, style, training), sort_keys=True, ensure_ascii=False)
   return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
@@ -72,7 +73,7 @@ def hub_checkpoints(spec) -> dict[str, dict[str, str]]:
 
 def describe(spec) -> dict:
   """This start's provenance; `spec` is the run's RunSpec or EvaluationSpec."""
-  now = {"prompts_sha256": prompts_sha256(spec.policy.think, spec.simulator.style),
+  now = {"prompts_sha256": prompts_sha256(spec.policy.think, spec.simulator.style, spec.policy.prompt),
          "git_commit": git_commit(), "jax": jax.__version__}
   checkpoints = hub_checkpoints(spec)
   if checkpoints:

@@ -1,7 +1,8 @@
 """The run's config in its workdir: written at start, checked on resume.
 
 Settings that change results must match the saved ones; run-length keys (how long, how often to
-save, log or evaluate) may change, so a finished run can be continued with a larger total_steps.
+save, log or evaluate) may change, so a finished run can be continued with a larger total_steps, and
+so may where compiled programs are cached.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from etils import epath
 
 from rlver_jax.run.workdir import replace_text
 
-RUN_LENGTH_KEYS = ("total_steps", "checkpoint.", "eval.every_steps", "log.")
+RUN_LENGTH_KEYS = ("total_steps", "checkpoint.", "eval.every_steps", "log.", "compile_cache_dir")
 
 
 class ConfigConflictError(ValueError):

@@ -5,6 +5,7 @@ import os
 
 from etils import epath
 
+from rlver_jax.run import compile_cache
 from rlver_jax.run.workdir_lock import LOCK_FILE
 
 
@@ -57,7 +58,7 @@ def check_workdir(workdir: str) -> None:
 # runs older than the lock), and the temp files of its replace_text writes cut short: any of them
 # marks a run's own workdir, which a resume reuses.
 RUN_MARKERS = (LOCK_FILE, "provenance.json", "metrics.jsonl", "checkpoints", "provenance.json.tmp",
-               "metrics.jsonl.tmp", "config.json.tmp")
+               "metrics.jsonl.tmp", "config.json.tmp", compile_cache.FOLDER)
 # Left by this check itself, check_shared_workdir (killed mid-check, or another host's in flight),
 # or a fresh filesystem: not content.
 _NOT_CONTENT = (".write-check-", ".shared-check-", "lost+found")

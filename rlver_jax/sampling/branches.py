@@ -58,7 +58,7 @@ class _ReadOnlyView:
 
     def body(h, p_l):
       p, l = p_l
-      h, _ = layer(h, p, v._layer_window(v.cache.k, l), v._layer_window(v.cache.v, l))
+      h, _ = layer(h, p, *v.layer_windows(l))
       return h, None
 
     x, _ = jax.lax.scan(body, x, (layer_params, jnp.arange(v.cache.k.shape[0])))

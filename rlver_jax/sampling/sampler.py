@@ -23,13 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from rlver_jax.models.qwen2 import Qwen2
 from rlver_jax.sampling.call_counts import CallCounts
 from rlver_jax.sampling.kv_cache import KVCache, Layout, default_layout
 from rlver_jax.sampling.stop_rules import StopRules, StopState, StopTables
 from rlver_jax.sampling.strategies import SamplingParams, sample
-from rlver_jax.parallel.sharding import DEFAULT_RULES, host_array, padded_batch
+from rlver_jax.parallel.sharding import DEFAULT_RULES, global_array, host_array, padded_batch
 
 
 DEFAULT_APPEND_BUCKETS = (16, 64, 256, 1024)
@@ -207,12 +208,28 @@ class Sampler:
     self.calls = CallCounts()  # program calls, read by the trainer's step metrics
 
   def _on_mesh(self):
-    """The sampler's mesh as the ambient one while its programs trace and run, unless the caller set
-    one: the model's activation constraints and the sampling filters' per-shard top-k read it."""
-    ambient = jax.sharding.get_abstract_mesh()
-    if self.mesh is None or not (ambient is None or ambient.empty):
+    """The sampler's mesh as the ambient one while its programs trace and run, whatever the caller
+    set (a model may decode in its own layout under the trainer's mesh): the model's activation
+    constraints and the sampling filters' per-shard top-k read it."""
+    if self.mesh is None:
       return contextlib.nullcontext()
     return jax.set_mesh(self.mesh)
+
+  def _here(self, x):
+    """A small input (a key) committed to another mesh, replicated onto this sampler's: the other
+    mesh may order the same devices differently, which a jitted program refuses."""
+    sharding = getattr(x, "sharding", None)
+    if self.mesh is None or not isinstance(sharding, NamedSharding) or sharding.mesh == self.mesh:
+      return x
+    target = NamedSharding(self.mesh, PartitionSpec())
+    if not sharding.is_fully_replicated:
+      return jax.device_put(x, target)
+    # Every process holds the whole value: placed from there, as multi-host device_put between
+    # meshes does not take every pair of shardings.
+    is_key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    value = global_array(np.asarray((jax.random.key_data(x) if is_key else x).addressable_data(0)),
+                         target)
+    return jax.random.wrap_key_data(value, impl=jax.random.key_impl(x)) if is_key else value
 
   def padded_rows(self, rows: int) -> int:
     """Cache rows for `rows` dialogues on this sampler's mesh (`sharding.padded_batch`)."""
@@ -331,7 +348,7 @@ class Sampler:
     with self._on_mesh():
       final: DecodeState = self._decode(
           self.graphdef, params, cache, logits, jnp.asarray(active), jnp.asarray(budget), self.stop_ids,
-          rng, sampling, tables, window=window, max_new=max_new_tokens, pad_id=self.pad_id)
+          self._here(rng), sampling, tables, window=window, max_new=max_new_tokens, pad_id=self.pad_id)
     result = final.result()
     self.calls.decode(window, int(result.num_tokens.max(initial=0)))
     return result

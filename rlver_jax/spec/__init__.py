@@ -12,10 +12,11 @@ Everything below the CLIs takes these dataclasses; the typed settings of the low
 (MeshConfig, LossConfig, OptimConfig, RolloutConfig) are leaves of the tree or built from it here.
 
 `sections`: the section dataclasses and their checks (`rl_section`: config.rl's); `run`: RunSpec, EvaluationSpec and the
-conversion. May import the lower folders' constants, checks and typed settings (env, rl, sampling,
-parallel); never build, train, evaluation or run.
+conversion; `layouts`: each decoding model's mesh (simulator.mesh, rollout.policy_mesh) from its
+setting and the model's head counts. May import the lower folders' constants, checks and typed
+settings (env, rl, sampling, models, parallel); never build, train, evaluation or run.
 """
-from rlver_jax.spec.run import EvaluationSpec, RunSpec
+from rlver_jax.spec.run import WORKDIR_PLACEHOLDER, EvaluationSpec, RunSpec
 from rlver_jax.spec.sections import (CheckpointSpec, ConfigError, CriticSpec, DataSpec, EvalSpec,
                                      LogSpec, OptimSpec, PolicySpec, RolloutSpec,
                                      SimulatorSpec, require)
@@ -23,4 +24,4 @@ from rlver_jax.spec.rl_section import RLSpec
 
 __all__ = ["CheckpointSpec", "ConfigError", "CriticSpec", "DataSpec", "EvalSpec", "EvaluationSpec",
            "LogSpec", "OptimSpec", "PolicySpec", "RLSpec", "RolloutSpec", "RunSpec",
-           "SimulatorSpec", "require"]
+           "SimulatorSpec", "WORKDIR_PLACEHOLDER", "require"]

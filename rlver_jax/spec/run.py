@@ -11,10 +11,20 @@ from rlver_jax.env.rollout import RolloutConfig
 from rlver_jax.parallel.sharding import MeshConfig
 from rlver_jax.rl.algorithms import ALGORITHMS, Algorithm, algorithm_named
 from rlver_jax.rl.update import LossConfig
-from rlver_jax.spec.sections import (CheckpointSpec, ConfigError, CriticSpec, DataSpec, EvalSpec,
-                                     LogSpec, OptimSpec, PolicySpec, RolloutSpec,
+from rlver_jax.spec.sections import (CheckpointSpec, ConfigError, CriticSpec, DataSpec,
+                                     EvalRolloutSpec, EvalSpec, LogSpec, OptimSpec, PolicySpec, RolloutSpec,
                                      SimulatorSpec, require)
 from rlver_jax.spec.rl_section import RLSpec
+
+
+# Stands for --workdir in config.compile_cache_dir (run/compile_cache.py).
+WORKDIR_PLACEHOLDER = "{workdir}"
+
+
+def _check_compile_cache(setting) -> None:
+  rest = setting.replace(WORKDIR_PLACEHOLDER, "") if isinstance(setting, str) else "{"
+  require("compile_cache_dir", setting, "{" not in rest and "}" not in rest,
+          f"a folder path ('' = none), in which {WORKDIR_PLACEHOLDER} stands for --workdir")
 
 
 # -- ConfigDict -> sections ------------------------------------------------------------------------
@@ -54,14 +64,17 @@ def _top_level(cls, tree: dict, strict: bool) -> dict:
 
 
 def _rollout_config(policy: PolicySpec, rl: RLSpec, prompt: str, *, eval_mode: bool,
-                    rows: int = 0, history_chars: int = 0) -> RolloutConfig:
+                    rows: int = 0, history_chars: int = 0, max_new_tokens: int = 0
+                    ) -> RolloutConfig:
   return RolloutConfig(think=policy.think, keep_thoughts=policy.keep_thoughts,
-                       max_new_tokens=policy.max_new_tokens, temperature=policy.temperature,
+                       max_new_tokens=max_new_tokens or policy.max_new_tokens,
+                       temperature=policy.temperature,
                        top_p=policy.top_p, top_k=policy.top_k,
                        reward_mode="terminal" if eval_mode else rl.reward_mode,
                        format_penalty=False if eval_mode else rl.format_penalty,
                        language=policy.language or None,
                        system_prompt=prompt if eval_mode else "training",
+                       training_prompt=policy.prompt,
                        share_prefix=rl.share_prefix, stop_sequences=policy.stop_sequences,
                        rows=rows, history_chars=0 if eval_mode else history_chars)
 
@@ -90,6 +103,7 @@ class RunSpec:
   algo: str = "grpo"
   seed: int = 0
   total_steps: int = 1
+  compile_cache_dir: str = ""
   policy: PolicySpec = PolicySpec()
   critic: CriticSpec = CriticSpec()
   simulator: SimulatorSpec = SimulatorSpec()
@@ -112,6 +126,7 @@ class RunSpec:
     return cls(**_top_level(cls, tree, strict), source=tree)
 
   def __post_init__(self):
+    _check_compile_cache(self.compile_cache_dir)
     if self.algo not in ALGORITHMS:
       raise ConfigError(f"config.algo: unknown algorithm {self.algo!r} (expected grpo or ppo)")
     # Zero would run nothing and end with a summary of outputs that were never written.
@@ -173,7 +188,7 @@ class RunSpec:
     """The held-out evaluation during training: eval sampling (config.eval), terminal rewards."""
     e = self.eval
     base = _rollout_config(self.policy, self.rl, e.policy_prompt, eval_mode=True,
-                           rows=self.rollout.rows)
+                           rows=self.rollout.rows, max_new_tokens=e.policy_max_new_tokens)
     return dataclasses.replace(base, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k)
 
   def loss_config(self) -> LossConfig:
@@ -193,13 +208,15 @@ class EvaluationSpec:
   the users of config.eval. `source` as in RunSpec."""
   SECTIONS: ClassVar[dict[str, type]] = {
       "policy": PolicySpec, "simulator": SimulatorSpec, "data": DataSpec, "eval": EvalSpec,
-      "mesh": MeshConfig, "log": LogSpec}
+      "rollout": EvalRolloutSpec, "mesh": MeshConfig, "log": LogSpec}
 
   seed: int = 0
+  compile_cache_dir: str = ""
   policy: PolicySpec = PolicySpec()
   simulator: SimulatorSpec = SimulatorSpec()
   data: DataSpec = DataSpec()
-  eval: EvalSpec = EvalSpec()
+  eval: EvalSpec = EvalSpec(policy_max_new_tokens=5000)
+  rollout: EvalRolloutSpec = EvalRolloutSpec()
   mesh: MeshConfig = MeshConfig()
   log: LogSpec = LogSpec()
   source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -209,8 +226,15 @@ class EvaluationSpec:
     tree = _plain(config)
     return cls(**_top_level(cls, tree, strict=True), source=tree)
 
+  def __post_init__(self):
+    _check_compile_cache(self.compile_cache_dir)
+    # No training cap to fall back on: the evaluation states its own.
+    n = self.eval.policy_max_new_tokens
+    require("eval.policy_max_new_tokens", n, n >= 1, ">= 1 (the evaluation's cap per policy turn)")
+
   def rollout_config(self) -> RolloutConfig:
-    return _rollout_config(self.policy, RLSpec(), self.eval.policy_prompt, eval_mode=True)
+    return _rollout_config(self.policy, RLSpec(), self.eval.policy_prompt, eval_mode=True,
+                           max_new_tokens=self.eval.policy_max_new_tokens)
 
   @property
   def checkpoints(self) -> dict[str, str]:

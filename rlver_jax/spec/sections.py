@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 from typing import Any
 
-from rlver_jax.env.chat import GOODBYE_MATCHES, SYSTEM_PROMPTS
+from rlver_jax.env.chat import GOODBYE_MATCHES, SYSTEM_PROMPTS, TRAINING_PROMPTS
 from rlver_jax.env.info_flow import INFO_FLOWS
 from rlver_jax.env.profiles import PROFILE_SAMPLINGS
 from rlver_jax.env.expected_change import CHANGE_MODES
 from rlver_jax.env.simulator_prompts import LANGUAGES, STYLES
 from rlver_jax.env.user_rules import UserRules
 from rlver_jax.env.user_state import end_below_need, start_emotion_need
+from rlver_jax.models.quant import FORMATS
 from rlver_jax.rl.update import OptimConfig
 from rlver_jax.sampling.strategies import sampling_needs
 
@@ -80,8 +82,11 @@ class PolicySpec:
   top_k: int = 0
   language: str = ""             # "" = each profile's own
   stop_sequences: tuple[str, ...] = ()
+  prompt: str = "project"        # the training system prompt (chat.TRAINING_PROMPTS)
 
   def __post_init__(self):
+    require("policy.prompt", self.prompt, self.prompt in TRAINING_PROMPTS,
+            f"one of {TRAINING_PROMPTS}")
     require("policy.language", self.language, self.language in ("",) + LANGUAGES,
             f"'' (each profile's own) or one of {LANGUAGES}")
     require("policy.stop_sequences", self.stop_sequences,
@@ -110,6 +115,8 @@ class SimulatorSpec:
   checkpoint: str = "embedded"
   preset: str = ""
   dtype: str = "bfloat16"
+  weight_dtype: str = "bf16"     # "int8": linear weights quantized at load
+  kv_dtype: str = "bf16"         # "int8": KV cache in int8 with a scale per token and KV head
   style: str = "vanilla"
   max_context: int = 16384
   append_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024)
@@ -138,14 +145,20 @@ class SimulatorSpec:
   end_above: int = 100
   goodbye_match: str = "clause"
   history_chars: int = 0
+  mesh: str = "auto"
 
   def __post_init__(self):
     self._check_reference_rules()
+    check_layout("simulator.mesh", self.mesh)
     require("simulator.stop_at_lines", self.stop_at_lines, isinstance(self.stop_at_lines, bool),
             "True or False")
     require("simulator.backend", self.backend, self.backend in SIMULATOR_BACKENDS,
             f"one of {SIMULATOR_BACKENDS}")
     require("simulator.style", self.style, self.style in STYLES, f"one of {STYLES}")
+    for key in ("weight_dtype", "kv_dtype"):
+      value = getattr(self, key)
+      require(f"simulator.{key}", value, value in FORMATS,
+              f"one of {FORMATS} ('bf16': unquantized, in simulator.dtype)")
     require("simulator.info_flow", self.info_flow, self.info_flow in INFO_FLOWS,
             f"one of {INFO_FLOWS}")
     require("simulator.change_mode", self.change_mode, self.change_mode in CHANGE_MODES,
@@ -185,13 +198,14 @@ class SimulatorSpec:
 
   def user_rules(self, users: "EvalSpec | None" = None) -> UserRules:
     """The simulated users' rules: training's, or with `users` an evaluation's (its start emotion,
-    turn limit and end, which is always at 100; the style and the simulator's rules stay this
-    section's)."""
+    turn limit, information flow and end, which is always at 100; the style and the simulator's
+    other rules stay this section's)."""
     game = users or self
     return UserRules(style=self.style, start_emotion=game.start_emotion, max_turns=game.max_turns,
                      max_parse_retries=self.max_parse_retries, end_below=game.end_below,
                      clamp_change=self.clamp_change, score_guidance=self.score_guidance,
-                     info_flow=self.info_flow, change_mode=self.change_mode,
+                     info_flow=users.info_flow if users else self.info_flow,
+                     change_mode=self.change_mode,
                      change_range=self.state_change_range,
                      end_above=100 if users else self.end_above, goodbye_match=self.goodbye_match)
 
@@ -208,14 +222,39 @@ class DataSpec:
             f"one of {PROFILE_SAMPLINGS}")
 
 
+_LAYOUT = re.compile(r"^(-1|\d+)x(-1|\d+)x(-1|\d+)$")
+
+
+def check_layout(key: str, value) -> None:
+  """A decode layout setting: 'train', 'auto' or 'DATAxFSDPxTENSOR' (rlver_jax/spec/layouts.py)."""
+  if not isinstance(value, str) or not (value in ("train", "auto") or _LAYOUT.match(value)):
+    raise ConfigError(f"config.{key}={value!r}: expected 'auto', 'train' or sizes "
+                      "'DATAxFSDPxTENSOR' such as '4x1x8'")
+  if value not in ("train", "auto"):
+    sizes = [int(s) for s in value.split("x")]
+    if sizes.count(-1) > 1 or 0 in sizes:
+      raise ConfigError(f"config.{key}={value!r}: sizes must be >= 1, at most one of them -1")
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutSpec:
   """config.rollout: how a step's dialogues share the samplers' KV cache rows."""
   rows: int = 0                  # 0 = every dialogue at once (lockstep); else at most this many
+  policy_mesh: str = "auto"      # the policy's decode layout (rlver_jax/spec/layouts.py)
 
   def __post_init__(self):
+    check_layout("rollout.policy_mesh", self.policy_mesh)
     require("rollout.rows", self.rows, _is_int(self.rows) and self.rows >= 0,
             "an integer >= 0 (0 = a cache row for every dialogue of the step)")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalRolloutSpec:
+  """config.rollout of an evaluation: the policy's decode layout (it loads straight into it)."""
+  policy_mesh: str = "auto"
+
+  def __post_init__(self):
+    check_layout("rollout.policy_mesh", self.policy_mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,8 +324,14 @@ class EvalSpec:
   top_p: float = 0.8
   top_k: int = 20
   batch_size: int = 32
+  policy_max_new_tokens: int = 0  # per policy turn, thought included; 0 = policy.max_new_tokens
+  info_flow: str = "sage"        # the simulator's information flow in evaluation
 
   def __post_init__(self):
+    n = self.policy_max_new_tokens
+    require("eval.policy_max_new_tokens", n, _is_int(n) and n >= 0,
+            "an int >= 0 (0 = policy.max_new_tokens, the training cap)")
+    require("eval.info_flow", self.info_flow, self.info_flow in INFO_FLOWS, f"one of {INFO_FLOWS}")
     require("eval.every_steps", self.every_steps, self.every_steps >= 0, ">= 0 (0 = never)")
     require("eval.num_profiles", self.num_profiles, self.num_profiles >= 0, ">= 0 (0 = all)")
     require("eval.max_turns", self.max_turns, self.max_turns >= 1, ">= 1")

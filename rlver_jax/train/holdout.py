@@ -32,7 +32,7 @@ def evaluate_holdout(trainer: Trainer, rng, should_stop=None) -> tuple[dict, lis
   users = SimulatedUsers.playing(profiles, trainer.backend, rules)
   with jax.set_mesh(trainer.mesh):
     dialogues = run_dialogues(profiles, list(range(len(profiles))), users, sampler=trainer.sampler,
-                              params=trainer.state["policy"], chat=trainer.chat,
+                              params=trainer.rollout_params, chat=trainer.chat,
                               cfg=trainer.spec.holdout_rollout_config(), rng=rng,
                               should_stop=should_stop)
   check_no_simulator_errors(dialogues, trainer.backend, "held-out evaluation")

@@ -8,9 +8,7 @@ steps: a bar on a terminal (warnings printed above it), a plain line per step in
 """
 from __future__ import annotations
 
-import contextlib
 import signal
-import sys
 
 import jax
 import ml_collections
@@ -19,6 +17,7 @@ from absl import logging
 
 from rlver_jax.env.rollout import RolloutInterrupted
 from rlver_jax.env.simulator import SIMULATOR_ERROR
+from rlver_jax.run.progress import Progress
 from rlver_jax.spec import RunSpec
 from rlver_jax.train.holdout import (eval_key, evaluate_holdout, evaluation_missing,
                                      is_evaluation_step, write_evaluation)
@@ -60,101 +59,12 @@ def warn_about_step(trainer: Trainer, step: int) -> list[str]:
   return lines
 
 
-class _AboveBar:
-  """stderr while the bar is drawn: each whole line written to it (a warning, a log record, the
-  preemption line) clears the bar, is written, and the bar is drawn again below it."""
-
-  def __init__(self, stream):
-    self._stream = stream
-    self._pending = ""
-
-  def write(self, text: str) -> int:
-    from tqdm import tqdm
-    with tqdm.get_lock():  # the bar's own lock: a watcher thread may write while the bar redraws
-      self._pending += text
-      done, newline, self._pending = self._pending.rpartition("\n")
-      if newline:
-        with tqdm.external_write_mode(file=self._stream, nolock=True):
-          self._stream.write(done + newline)
-          self._stream.flush()
-    return len(text)
-
-  def flush(self) -> None:
-    self._stream.flush()
-
-  def finish(self) -> None:
-    """Writes what is left of an unfinished line."""
-    if self._pending:
-      self.write("\n")
-
-  def __getattr__(self, name):  # fileno, isatty, encoding: the real stream's
-    return getattr(self._stream, name)
-
-
-@contextlib.contextmanager
-def _lines_above_bar(stream):
-  """Routes sys.stderr (Python warnings, direct writes) and absl's handler through `_AboveBar`."""
-  above = _AboveBar(stream)
-  handler = logging.get_absl_handler().python_handler
-  swap_handler = handler.stream is stream  # else it writes to a log file: left alone
-  sys.stderr = above
-  if swap_handler:
-    handler.stream = above  # the same object as sys.stderr, or absl writes each record twice
-  try:
-    yield
-  finally:
-    above.finish()
-    sys.stderr = stream
-    if swap_handler:
-      handler.stream = stream
-
-
-def _interactive(stream) -> bool:
-  """A terminal or a notebook (both redraw a line on a carriage return); not a log file or pipe."""
-  return stream.isatty() or type(stream).__module__.startswith("ipykernel")
-
-
-class Progress:
-  """The run's progress on stderr. On a terminal or in a notebook: a bar, with every stderr line
-  (warnings, log records) written above it. Elsewhere (stderr sent to a file): one plain line per
-  step, since the bar's carriage-return frames would fill the file. `enabled=False`: nothing."""
-
-  def __init__(self, total: int, initial: int, enabled: bool):
-    self._stream = sys.stderr
-    self._total, self._step, self._enabled = total, initial, enabled
-    self._bar = None
-    self._redirect = contextlib.ExitStack()
-    if enabled and _interactive(self._stream):
-      from tqdm import tqdm
-      self._bar = tqdm(total=total, initial=initial, desc="rlver", file=self._stream)
-      self._redirect.enter_context(_lines_above_bar(self._stream))
-
-  def step(self, metrics: dict[str, float]) -> None:
-    self._step += 1
-    fields = {"reward": f"{metrics['reward_mean']:.3f}",
-              "emotion": f"{metrics['final_emotion_mean']:.1f}",
-              "turns": f"{metrics['turns_mean']:.1f}",
-              "step_s": f"{metrics['rollout_seconds'] + metrics['update_seconds']:.0f}"}
-    if self._bar is not None:
-      self._bar.update(1)
-      self._bar.set_postfix(fields)
-    elif self._enabled:
-      values = " ".join(f"{k}={v}" for k, v in fields.items())
-      self._stream.write(f"rlver step {self._step}/{self._total}: {values}\n")
-      self._stream.flush()
-
-  def write(self, line: str) -> None:
-    """One line on stdout (above the bar, if any); printed even when the progress is off."""
-    if self._bar is not None:
-      from tqdm import tqdm
-      tqdm.write(line)
-    else:
-      print(line, flush=True)
-
-  def close(self) -> None:
-    if self._bar is not None:
-      self._bar.close()
-    self._redirect.close()
+def step_fields(metrics: dict[str, float]) -> dict[str, str]:
+  """What the progress display shows for a finished step."""
+  return {"reward": f"{metrics['reward_mean']:.3f}",
+          "emotion": f"{metrics['final_emotion_mean']:.1f}",
+          "turns": f"{metrics['turns_mean']:.1f}",
+          "step_s": f"{metrics['rollout_seconds'] + metrics['update_seconds']:.0f}"}
 
 
 def _say(progress: Progress, line: str) -> None:
@@ -216,7 +126,7 @@ def _train(trainer: Trainer, guard: PreemptionGuard) -> dict[str, str]:
           # Minutes long: a preemption notice (~30 s of grace) must not wait for its end.
           activity = f"the evaluation after step {trainer.step}"
           _evaluate(trainer, guard, progress)
-        progress.step(metrics)
+        progress.update(1, step_fields(metrics))
     except (RolloutInterrupted, TooManySimulatorErrors) as e:
       with trainer.lock:
         if trainer.step > 0:  # the last finished step is kept (a no-op if it was just saved)

@@ -35,6 +35,7 @@ from rlver_jax.run.metrics import MetricsWriter
 from rlver_jax.run.saved_config import (check_inputs_on_every_host, check_shared_workdir,
                                         check_workdir_config, config_json, write_workdir_config)
 from rlver_jax.run.wandb_writer import WandbOptions
+from rlver_jax.sampling.decode_copy import DecodeCopy
 from rlver_jax.spec import RunSpec
 from rlver_jax.train.dynamic_sampling import Round, StepRollout, fill_informative
 from rlver_jax.train.call_metrics import take_sampler_calls, update_calls
@@ -63,6 +64,7 @@ class Trainer:
                                           sampling=spec.data.sampling)
     with jax.set_mesh(self.mesh):
       self._load_models()
+    self.rollout_params = self.decode_copy.refresh(self.state["policy"])
     # Replicated over the mesh like every other state leaf, so a restored key lives on the same devices.
     self.state["rng"] = global_array(jax.random.key_data(jax.random.key(spec.seed)),
                                      NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
@@ -78,15 +80,22 @@ class Trainer:
     self._logp_fn = jax.jit(self._old_logp)
     self._value_fn = jax.jit(self._old_values)
     write_workdir_config(spec.source, workdir)  # only now: every input above was found and loaded
-    provenance.append(workdir, start)
+    provenance.append(workdir, {**start, "layouts": self.layouts})
 
   def _load_models(self) -> None:
     """Policy, its sampler, the simulator backend, the updaters; the critic if the algorithm has one
     and a frozen reference copy of the policy if a KL term needs it."""
     spec = self.spec
     self.policy, self.chat, self.policy_path = build.load_policy(spec.policy, self.mesh)
-    self.sampler = build.policy_sampler(self.policy, self.chat, spec.policy, self.mesh)
-    self.backend = build.simulator_backend(spec.simulator, self.mesh, seed=spec.seed,
+    # Training stays in config.mesh; each decoding model gets its own layout on the same devices.
+    self.layouts = {"train": build.train_layout(spec.mesh, self.mesh)}
+    rollout_mesh, self.layouts["policy_rollout"] = build.decode_mesh(
+        spec.rollout.policy_mesh, "rollout.policy_mesh", self.policy.config, spec.mesh, self.mesh,
+        self.policy.dtype, "policy rollout")
+    self.decode_copy = DecodeCopy(nnx.state(self.policy, nnx.Param), rollout_mesh, self.policy.dtype)
+    self.sampler = build.policy_sampler(self.policy, self.chat, spec.policy, rollout_mesh)
+    sim_mesh, self.layouts["simulator"] = build.simulator_mesh(spec.simulator, spec.mesh, self.mesh)
+    self.backend = build.simulator_backend(spec.simulator, sim_mesh, seed=spec.seed,
                                            share_prefix=spec.rl.share_prefix,
                                            rows=spec.rollout.rows)
     loss_cfg = spec.loss_config()
@@ -111,6 +120,8 @@ class Trainer:
       return False
     state, meta = restored
     self.state = state
+    self.rollout_params = None  # the fresh start's copy, freed before the restored one is made
+    self.rollout_params = self.decode_copy.refresh(self.state["policy"])
     self.step = int(meta["step"])
     self.profile_sampler.load_state_dict(meta["profile_sampler"])
     self._sampler_after_step = self.profile_sampler.state_dict()
@@ -145,7 +156,7 @@ class Trainer:
     stats = RolloutStats()
     sim_before = self.backend.prefill_tokens  # the co-located model's count (else None)
     cut_before = self.backend.cut_answers
-    dialogues = run_dialogues(profiles, groups, users, sampler=self.sampler, params=self.state["policy"],
+    dialogues = run_dialogues(profiles, groups, users, sampler=self.sampler, params=self.rollout_params,
                               chat=self.chat, cfg=self.spec.rollout_config(), rng=rng, stats=stats,
                               should_stop=should_stop)
     if sim_before is not None:
@@ -299,6 +310,9 @@ class Trainer:
         batch, extra = self.make_batch(rolled.trained)
         metrics = self.update(batch)
         jax.block_until_ready(self.state["policy"])
+        self.rollout_params = None  # freed first: old and new copy never coexist
+        self.rollout_params = self.decode_copy.refresh(self.state["policy"])
+        metrics.update(self.decode_copy.metrics())
         self.step += 1
         self._sampler_after_step = self.profile_sampler.state_dict()
     t2 = time.perf_counter()

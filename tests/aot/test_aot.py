@@ -164,11 +164,12 @@ def test_whole_run_table_has_every_program_and_the_run_total(tiny_search):
   config = _tiny_run()
   programs = run_plan.run_programs(config)
   assert programs == ("policy_prefill", "policy_append", "policy_decode", "simulator_prefill",
-                      "simulator_append", "simulator_decode", "grpo_update")
+                      "simulator_append", "simulator_decode", "grpo_update", "policy_reshard")
   assert tuple(r.program for r in found.rows) == programs
   for r in found.rows:
     assert r.fits and r.argument_bytes > 0 and r.temp_bytes >= 0 and r.total_bytes > r.argument_bytes
-  ev = aot.Evaluation(found.topology, found.rows[0].mesh, found.rows, found.phases)
+  ev = aot.Evaluation(found.topology, found.rows[0].mesh, found.rows, found.phases,
+                      layouts=found.layouts)
   text = aot.format_evaluation(ev)
   for p in programs:
     assert f"| {p} | v5e:1x1 | 1x1x1 |" in text
@@ -178,15 +179,20 @@ def test_whole_run_table_has_every_program_and_the_run_total(tiny_search):
   assert peak.total_bytes == max(p.total_bytes for p in found.phases)
   assert "| rollout phase: resident state + " in text
   assert "run total per device on v5e:1x1 (mesh 1x1x1): " in text and text.endswith(": fits")
+  assert ("layouts: train 1x1x1, policy decode 1x1x1 (decode copy), simulator decode 1x1x1"
+          in text)
+  # The reshard runs beside the update's resident state, the decode copy in both phases.
+  assert "update phase" in text and all("policy decode copy" in dict(p.state) for p in found.phases)
 
 
 def test_run_program_arguments_match_the_resident_state(tiny_search):
   """Compiled argument sizes agree with the plan's abstract sizes (the plan counts them once)."""
   found, _ = tiny_search
-  state = run_plan.Plan(_tiny_run(), make_mesh(MeshConfig(), topology.get_topology("v5e:1x1")),
-                       16 * 2**30).state
+  config = _tiny_run()
+  state = run_plan.Plan(config, aot.run_layouts(config, topology.get_topology("v5e:1x1")),
+                        16 * 2**30).state
   rows = {r.program: r for r in found.rows}
-  policy = state["rollout"]["policy params"] + state["rollout"]["policy KV cache"]
+  policy = state["rollout"]["policy decode copy"] + state["rollout"]["policy KV cache"]
   update = state["update"]["policy params"] + state["update"]["policy optimizer"]
   assert rows["policy_decode"].argument_bytes == pytest.approx(policy, rel=0.05)
   assert rows["grpo_update"].argument_bytes >= update
@@ -198,11 +204,12 @@ def test_planned_cache_bytes_follow_the_rollout_rows(tiny_preset):
   bytes of 8 rows (lockstep); the state the caches do not hold is unchanged."""
   config = _tiny_run()
   config.rl.profiles_per_step = 4  # 4 groups of 2
-  mesh = make_mesh(MeshConfig(), topology.get_topology("v5e:1x1"))
+  devices = topology.get_topology("v5e:1x1")
+  mesh = make_mesh(MeshConfig(), devices)
   plans = {}
   for rows in (0, 8, 4, 2):
     config.rollout.rows = rows
-    plans[rows] = run_plan.Plan(config, mesh, 16 * 2**30).state["rollout"]
+    plans[rows] = run_plan.Plan(config, aot.run_layouts(config, devices), 16 * 2**30).state["rollout"]
     assert ap.rollout_rows(config, mesh) == (rows or 8)
   c = _TINY
   # A simulator row (1 layer, fp32 as in runlocal): k and v of 256 slots, and its int32 length.
@@ -217,8 +224,10 @@ def test_planned_cache_bytes_follow_the_rollout_rows(tiny_preset):
 
 def test_resident_state_counts_per_device_shards(tiny_preset):
   config = _tiny_run("ppo_think")
-  mesh = make_mesh(MeshConfig(), topology.get_topology("v5e:2x2"))
-  state = run_plan.Plan(config, mesh, 16 * 2**30).state
+  config.simulator.mesh = config.rollout.policy_mesh = "train"   # every model FSDP over 4
+  devices = topology.get_topology("v5e:2x2")
+  mesh = make_mesh(MeshConfig(), devices)
+  state = run_plan.Plan(config, aot.run_layouts(config, devices), 16 * 2**30).state
   rollout, update = state["rollout"], state["update"]
   assert set(rollout) - set(update) == {"policy KV cache"}
   assert set(update) == {"policy params", "policy optimizer", "critic params", "critic optimizer",
@@ -251,10 +260,12 @@ def test_sampler_programs_compile_the_tpu_cache_layout(tiny_preset):
 
 def test_run_programs_and_update_shapes():
   grpo, ppo, nothink = (_RUN_CONFIGS[n]() for n in ("grpo_think", "ppo_think", "grpo_nothink"))
-  assert run_plan.update_programs(ppo) == ("ppo_policy_update", "ppo_critic_update")
+  # A serving layout for the policy ('auto') adds the reshard of its decode copy after the update.
+  assert run_plan.update_programs(ppo) == ("ppo_policy_update", "ppo_critic_update", "policy_reshard")
   with ppo.unlocked():  # a server the plan never calls (the run spec requires one for http)
     ppo.simulator.backend = "http"
     ppo.simulator.http_base_url, ppo.simulator.http_model = "http://127.0.0.1:9/v1", "m"
+    ppo.rollout.policy_mesh = "train"   # decode from the training params: no copy, no reshard
   assert run_plan.run_programs(ppo) == ("policy_prefill", "policy_append", "policy_decode",
                                        "ppo_policy_update", "ppo_critic_update")
   # Think mode drops thoughts, so every turn is a sample: 32 profiles x 4 x 9 turns = 1152 rows in

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import pathlib
 import runpy
+import types
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +67,7 @@ def test_link_time_adds_every_ring_step_latency_by_hand():
   p.add(step, 1000, v5p)
   assert p.cost.link_ops == 160_000 and p.seconds_with_links == pytest.approx(1000 * link)
   table = step_time.format_estimate({"policy decode": p, "update": PhaseTime()}, v5p, {}, "h")
-  assert ("| policy decode | 1,000 | 0.000 | 2765.00 | 6.00 | 160,000 | 1.000 | "
+  assert ("| policy decode | - | 1,000 | 0.000 | 2765.00 | 6.00 | 160,000 | 1.000 | "
           "memory (100% of its time) | 2.250 |") in table and "1 us per ring step" in table
   assert CHIPS["h100"].hop_latency_s == 0   # none known: the bytes alone
   assert step.times(CHIPS["h100"])["collectives"] == pytest.approx(6e6 / 900e9)
@@ -92,6 +93,11 @@ class _FixedCosts:
   def forward_micro_batch(self, rows, length):
     return Cost(rows * length * 1e8, 0)
 
+  layouts = types.SimpleNamespace(policy_copy=True)   # a serving layout: a reshard per step
+
+  def reshard(self):
+    return Cost(0, 5e8)
+
 
 def test_estimate_multiplies_costs_by_calls_by_hand():
   calls = {"policy/decode_steps/W64": 10, "policy/decode_steps/W128": 5, "simulator/decode_steps/W256": 2,
@@ -105,6 +111,10 @@ def test_estimate_multiplies_costs_by_calls_by_hand():
   # PPO: the policy's and the critic's update per micro-batch, then the scoring passes.
   assert phases["update"].seconds == pytest.approx((4 * 200 * 3e9 + 6 * 200 * 1e8) / 1e12)
   assert phases["prefills"].calls == 4 and phases["update"].bound.startswith("compute")
+  assert phases["reshard"].calls == 1 and phases["reshard"].seconds == pytest.approx(0.5)
+  # --phases leaves the others out (their programs are not compiled).
+  only = step_time.estimate(_FixedCosts(), calls, _CHIP, only=("reshard",))
+  assert list(only) == ["reshard"] and only["reshard"].seconds == pytest.approx(0.5)
 
 
 def _scan_matmuls(x, ws):
@@ -155,6 +165,9 @@ def test_stated_calls_follow_the_lockstep_rollout_by_hand():
       "simulator/append/T64/W256": 2,     # turn 1: reply + emotion instruction at 160, reply instr. at 250
       "simulator/decode_steps/W512": 80,  # turn 1's reply (280 -> 320), turn 2's emotion (370 -> 410)
       "simulator/append/T64/W512": 1,     # turn 2: reply + emotion instruction at 320
+      # Filled slots summed over decode steps (the floor's KV): 32 steps from 100 and from 151
+      # (32 x 100 + 528, 32 x 151 + 528); 40 steps from 120, 210, 280, 370 (40 x start + 820 each).
+      "policy/decode_slots": 3728 + 5360, "simulator/decode_slots": 5620 + 9220 + 12020 + 15620,
       # 2 dialogues x 2 turns = 4 samples of <= 183 tokens -> length 192; 2 mini-batches of 2 rows.
       "update/micro_batches": 2, "update/rows": 2, "update/length": 192, "forward/micro_batches": 2}
   with pytest.raises(ValueError, match="--turns=0: must be >= 1"):
@@ -223,9 +236,14 @@ def test_cli_estimates_a_tiny_run_on_one_v5e_chip(tiny_run_config, tmp_path, cap
   with flagsaver.flagsaver(estimate_time=True, topology="v5e:1x1", calls_from=f"{metrics}:3"):
     cli._run(tiny_run_config)
   out = capsys.readouterr().out
-  assert "step time on v5e:1x1 (mesh 1x1x1, 2 cache rows, lockstep)" in out
-  assert "(step 3); 4 programs compiled" in out   # decode at 2 windows, the update, the log-prob pass
-  assert "| policy decode | 10 |" in out and "| simulator decode | 0 |" in out
+  assert ("step time on v5e:1x1 (train 1x1x1, policy decode 1x1x1 (decode copy), simulator decode "
+          "1x1x1 (data x fsdp x tensor); cache rows policy 2, simulator 2, lockstep)") in out
+  # decode at 2 windows, the update, the log-prob pass, the reshard
+  assert "(step 3); 5 programs compiled" in out
+  assert "| policy decode | 1x1x1 | 10 |" in out and "| simulator decode | 1x1x1 | 0 |" in out
+  assert "| reshard | 1x1x1 -> 1x1x1 | 1 |" in out
+  # A recorded step has no filled-slot counts: the floor takes the attended windows, and says so.
+  assert "floor, policy decode: " in out and "(slots: attended windows, an upper bound)" in out
   assert "measured: rollout 0.50 s, update 0.25 s" in out and "TPU v5e at 197 TFLOP/s" in out
   # --rows is checked like config.rollout.rows (a group of 2 starts together).
   from rlver_jax.aot.topology import AotError

@@ -67,7 +67,8 @@ def test_every_item_of_the_reference_comparison_has_a_row():
   keys = {key for key, _, _ in _rows()}
   assert {"simulator.state_change_range", "rl.format_penalty", "simulator.end_above",
           "rl.group_stats", "simulator.goodbye_match", "data.sampling",
-          "simulator.history_chars"} <= keys
+          "simulator.history_chars", "policy.prompt", "eval.policy_prompt",
+          "eval.policy_max_new_tokens", "eval.info_flow"} <= keys
 
 
 def test_reference_combines_with_runlocal_and_simulator_style():

@@ -98,11 +98,15 @@ def test_a_preset_first_talk_is_not_generated():
   assert users.records[1].sent == 3
 
 
-def test_preset_opening_rows_after_copy_equal_rows_prefilled_one_by_one(chat, tiny):
+@pytest.mark.parametrize("kv", ["float", "int8"])
+def test_preset_opening_rows_after_copy_equal_rows_prefilled_one_by_one(chat, tiny, kv):
+  # With an int8 cache too (simulator.kv_dtype): the copied rows carry their scales.
   from rlver_jax.env import simulator_prompts as prompts
+  cache_dtype = jnp.int8 if kv == "int8" else None
   a = load_demo_profiles()[3]
   params = nnx.state(tiny)
-  sim = Sampler(tiny, max_len=2048, stop_ids=chat.stop_ids, pad_id=chat.pad_id, append_buckets=(64, 512))
+  sim = Sampler(tiny, max_len=2048, stop_ids=chat.stop_ids, pad_id=chat.pad_id, append_buckets=(64, 512),
+                cache_dtype=cache_dtype)
   backend = ModelBackend(sim, params, chat, max_new_tokens=12, sampling=SamplingParams.make(0.0))
   users = SimulatedUsers([a, a, a], backend, groups=[0, 0, 0])
   assert users.opening() == [a.first_talk] * 3
@@ -110,7 +114,8 @@ def test_preset_opening_rows_after_copy_equal_rows_prefilled_one_by_one(chat, ti
             + chat.message("user", prompts.opening_instruction("en", True))
             + chat.message("assistant", a.first_talk))
   assert backend.tokens == [prefix] * 3 and backend.prefill_tokens == len(prefix) > 200
-  fresh = Sampler(tiny, max_len=2048, stop_ids=chat.stop_ids, pad_id=chat.pad_id, append_buckets=(64, 512))
+  fresh = Sampler(tiny, max_len=2048, stop_ids=chat.stop_ids, pad_id=chat.pad_id, append_buckets=(64, 512),
+                  cache_dtype=cache_dtype)
   cache, logits = fresh.prefill(params, fresh.init_cache(3), [prefix] * 3)
   probe = [chat.message("user", f"reply {b}") + chat.generation_header() for b in range(3)]
   copied, copied_logits = sim.append(params, backend.cache, probe, backend.logits)
@@ -238,15 +243,16 @@ def test_copied_policy_rows_equal_rows_prefilled_one_by_one(chat, tiny):
   assert [a.row(r) for r in range(3)] == [b.row(r) for r in range(3)] and a.row(1) == a.row(0)
 
 
-@pytest.mark.parametrize("preset", [False, True])
-def test_prefix_sharing_changes_only_the_prefill_count(chat, tiny, preset):
+@pytest.mark.parametrize("preset,kv", [(False, "float"), (True, "float"), (True, "int8")])
+def test_prefix_sharing_changes_only_the_prefill_count(chat, tiny, preset, kv):
   # Greedy policy and simulator: with and without sharing the dialogues are token for token the same;
   # with it, each member's policy prompt and simulator prefix (a generated or a preset opening) are
   # not prefilled again.
   from rlver_jax.env.rollout import RolloutStats
   profiles, groups = _grouped(preset)
   params = nnx.state(tiny)
-  sim = Sampler(tiny, max_len=2048, stop_ids=chat.stop_ids, pad_id=chat.pad_id, append_buckets=(64, 512))
+  sim = Sampler(tiny, max_len=2048, stop_ids=chat.stop_ids, pad_id=chat.pad_id, append_buckets=(64, 512),
+                cache_dtype=jnp.int8 if kv == "int8" else None)
   runs = {}
   for share in (True, False):
     backend = ModelBackend(sim, params, chat, max_new_tokens=12, sampling=SamplingParams.make(0.0),

@@ -204,17 +204,21 @@ def tiny():
   return create_model(cfg, dtype=jnp.float32, seed=3, init_std=0.5)
 
 
-def _sim(chat, tiny):
-  return Sampler(tiny, max_len=2048, stop_ids=chat.stop_ids, pad_id=chat.pad_id, append_buckets=(64, 512))
+def _sim(chat, tiny, cache_dtype=None):
+  return Sampler(tiny, max_len=2048, stop_ids=chat.stop_ids, pad_id=chat.pad_id, append_buckets=(64, 512),
+                 cache_dtype=cache_dtype)
 
 
 def _transcript_tokens(chat, messages):
   return [t for m in messages for t in chat.message(m["role"], m["content"])]
 
 
-def test_model_cache_after_a_turn_is_a_fresh_prefill_of_the_transcript(chat, tiny):
+@pytest.mark.parametrize("kv", ["float", "int8"])
+def test_model_cache_after_a_turn_is_a_fresh_prefill_of_the_transcript(chat, tiny, kv):
+  # With an int8 cache too (simulator.kv_dtype): the rewinds leave the rows a fresh prefill would.
+  cache_dtype = jnp.int8 if kv == "int8" else None
   params = nnx.state(tiny)
-  sim = _sim(chat, tiny)
+  sim = _sim(chat, tiny, cache_dtype)
   backend = ModelBackend(sim, params, chat, max_new_tokens=12, sampling=SamplingParams.make(1.0), seed=0)
   contexts = []  # per generate call: its request kind and each row's context when it decoded
   decode, generate = sim.decode, backend.generate
@@ -245,11 +249,14 @@ def test_model_cache_after_a_turn_is_a_fresh_prefill_of_the_transcript(chat, tin
   assert np.asarray(backend.cache.lengths)[:3].tolist() == [len(t) for t in backend.tokens]
   # The kept KV rows are those of a fresh prefill of the transcript: same keys/values, logits and
   # greedy continuation.
-  fresh = _sim(chat, tiny)
+  fresh = _sim(chat, tiny, cache_dtype)
   cache, logits = fresh.prefill(params, fresh.init_cache(3), backend.tokens)
   for b, toks in enumerate(backend.tokens):
     np.testing.assert_allclose(np.asarray(backend.cache.k)[:, b, :, :len(toks)],
                                np.asarray(cache.k)[:, b, :, :len(toks)], atol=1e-5, rtol=1e-5)
+    if kv == "int8":
+      np.testing.assert_allclose(np.asarray(backend.cache.k_scale)[:, b, :, :len(toks)],
+                                 np.asarray(cache.k_scale)[:, b, :, :len(toks)], rtol=1e-5)
   probe = [chat.message("assistant", "so") + chat.generation_header() for _ in range(3)]
   mine, mine_logits = sim.append(params, backend.cache, probe, backend.logits)
   theirs, their_logits = fresh.append(params, cache, probe, logits)

@@ -48,7 +48,7 @@ def world(tmp_path_factory):
 
 def _overrides(world, **extra) -> dict:
   out = {"policy.checkpoint": world["policy"], "simulator.backend": "scripted",
-         "data.profiles": world["profiles"], "policy.think": False, "policy.max_new_tokens": 6,
+         "data.profiles": world["profiles"], "policy.think": False, "eval.policy_max_new_tokens": 6,
          "policy.max_context": 512, "policy.param_dtype": "float32", "policy.compute_dtype": "float32",
          "eval.batch_size": 2, "eval.max_turns": 3, "log.progress_bar": False}
   out.update(extra)

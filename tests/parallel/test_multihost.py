@@ -27,7 +27,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_S = 900  # per run; generous because the CPUs may be shared, still ends a hang
 # Per-step wall-clock numbers differ run to run.
 TIMING = {"rollout_seconds", "update_seconds", "rollout_fraction", "rollout_policy_tokens_per_s",
-          "update_tokens_per_s"}
+          "update_tokens_per_s", "time/reshard"}
 # Reduced over the mesh by the update's collectives: gloo (2 processes) and the in-process CPU
 # all-reduce (1 process) sum in different orders, so these may differ in the last float32 bits.
 REDUCED = {"loss", "pg_loss", "entropy", "grad_norm", "approx_kl", "clip_frac", "dual_clip_frac",
@@ -47,8 +47,8 @@ def _start(args: list[str], log: pathlib.Path) -> subprocess.Popen:
 
 
 def _launch(world, workdir: pathlib.Path, *, processes: int, devices: int, steps: int,
-            logs: pathlib.Path) -> list[subprocess.Popen]:
-  extra = {"log.transcripts_every": 1, "checkpoint.keep": 100}
+            logs: pathlib.Path, **overrides) -> list[subprocess.Popen]:
+  extra = {"log.transcripts_every": 1, "checkpoint.keep": 100, **overrides}
   flags = tiny_world.cli_flags(world, "grpo", str(workdir), steps, **extra)
   flags.append(f"--cpu_devices={devices}")
   if processes > 1:
@@ -140,6 +140,20 @@ def test_two_hosts_train_like_one_and_stop_together(tmp_path):
   assert meta["step"] == stop
   _state(multi, stop)  # restorable
 
+  _assert_same_metrics(a, b)
+
+  # Only process 0 writes the run's files; its summary is the only one printed.
+  for name in ("step_000001.jsonl", "step_000002.jsonl"):
+    assert (multi / "transcripts" / name).read_text() == (single / "transcripts" / name).read_text()
+  assert len(list((multi / "tensorboard").iterdir())) == 1
+  assert (multi / "reward.png").exists() and (multi / "config.json").exists()
+  assert f"run preempted at step {stop}" in logs[0].read_text()
+  assert f"preempted at step {stop} of 1000; run the same command to resume" in logs[0].read_text()
+  assert "run preempted" not in logs[1].read_text()
+  _assert_same_state(_state(multi, 2), _state(single, 2))
+
+
+def _assert_same_metrics(a: list[dict], b: list[dict]) -> None:
   for ma, mb in zip(a, b):
     assert set(ma) == set(mb)
     # mismatch/* are float-noise statistics of log-prob differences (~1e-14): compared within tolerance.
@@ -151,15 +165,29 @@ def test_two_hosts_train_like_one_and_stop_together(tmp_path):
     for k in set(ma) & REDUCED:
       np.testing.assert_allclose(ma[k], mb[k], rtol=1e-5, atol=1e-7, err_msg=k)
 
-  # Only process 0 writes the run's files; its summary is the only one printed.
-  for name in ("step_000001.jsonl", "step_000002.jsonl"):
-    assert (multi / "transcripts" / name).read_text() == (single / "transcripts" / name).read_text()
-  assert len(list((multi / "tensorboard").iterdir())) == 1
-  assert (multi / "reward.png").exists() and (multi / "config.json").exists()
-  assert f"run preempted at step {stop}" in logs[0].read_text()
-  assert f"preempted at step {stop} of 1000; run the same command to resume" in logs[0].read_text()
-  assert "run preempted" not in logs[1].read_text()
-  _assert_same_state(_state(multi, 2), _state(single, 2))
+
+def test_two_hosts_train_with_a_layout_per_model_like_one(tmp_path):
+  """Training FSDP over 4 devices, the policy's rollout copy tensor parallel (2x1x2, resharded after
+  each update across both hosts) and the co-located simulator in a third layout (1x2x2)."""
+  world = tiny_world.make_world(tmp_path / "world", num_heads=4, num_kv_heads=2)
+  layouts = {"rollout.policy_mesh": "2x1x2", "simulator.mesh": "1x2x2",
+             "simulator.backend": "model", "simulator.checkpoint": world["policy"],
+             "simulator.max_new_tokens": 6, "simulator.max_context": 2048,
+             "simulator.dtype": "float32"}
+  multi, single = tmp_path / "multi", tmp_path / "single"
+  procs = (_launch(world, multi, processes=2, devices=2, steps=2, logs=tmp_path, **layouts)
+           + _launch(world, single, processes=1, devices=4, steps=2, logs=tmp_path, **layouts))
+  logs = [tmp_path / f"multi.{i}.log" for i in range(2)] + [tmp_path / "single.0.log"]
+  _wait(procs, logs)
+  a, b = _metrics(multi), _metrics(single)
+  assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2]
+  assert all(m["reshard/bytes"] > 0 for m in a)
+  _assert_same_metrics(a, b)
+  for workdir in (multi, single):
+    start = json.loads((workdir / "provenance.json").read_text())[0]
+    assert start["layouts"] == {"train": "data=1 fsdp=4 tensor=1",
+                                "policy_rollout": "data=2 fsdp=1 tensor=2 (2x1x2)",
+                                "simulator": "data=1 fsdp=2 tensor=2 (1x2x2)"}, start["layouts"]
 
 
 def _exits(procs: list[subprocess.Popen], logs: list[pathlib.Path]) -> list[tuple[int, str]]:

@@ -118,10 +118,11 @@ class CompileCounter:
       self.count += 1
 
 
-def test_no_recompiles_after_warmup(checkpoint):
+@pytest.mark.parametrize("cache_dtype", [None, jnp.int8], ids=["float", "int8"])
+def test_no_recompiles_after_warmup(checkpoint, cache_dtype):
   _, model = checkpoint
   params = nnx.state(model)
-  sampler = _sampler(model, max_len=128)
+  sampler = _sampler(model, max_len=128, cache_dtype=cache_dtype)
   rng = np.random.RandomState(0)
   cache = sampler.init_cache(2)
   counter = CompileCounter()

@@ -176,17 +176,18 @@ def test_summary_lists_only_outputs_that_exist(tmp_path):
 _PROGRESS = """
 import sys, warnings
 from absl import app, logging
-from rlver_jax.train.loop import Progress
+from rlver_jax.run.progress import Progress
+from rlver_jax.train.loop import step_fields
 
 def main(_):
   metrics = {"reward_mean": 0.25, "final_emotion_mean": 40.0, "turns_mean": 3.0,
              "rollout_seconds": 10.0, "update_seconds": 2.0}
   progress = Progress(3, 0, enabled=True)
-  progress.step(metrics)
+  progress.update(1, step_fields(metrics))
   warnings.warn("python warning")
   logging.warning("absl warning")
   sys.stderr.write("preempted at step 1 of 3; run the same command to resume\\n")
-  progress.step(metrics)
+  progress.update(1, step_fields(metrics))
   progress.close()
   assert sys.stderr is sys.__stderr__
 

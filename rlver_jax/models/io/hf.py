@@ -17,6 +17,9 @@ out input-first with the heads split out (see `qwen2.param_specs`):
 Loading never holds more than one tensor on the host: a non-stacked param is built with
 `make_array_from_callback` from one read; a stacked one starts as zeros in its sharding and each layer
 slice is written in place by a jitted, donated `at[i].set`. Export gathers one layer slice at a time.
+With `int8_weights` each weight is quantized as it loads (`models/quant.py`), by a jitted function
+whose outputs take the int8 param's and its scale's shardings: the float copy is one tensor (or one
+layer slice), sharded, at a time.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rlver_jax.models import quant
 from rlver_jax.models.io import safetensors as st
 from rlver_jax.models.io import storage
 from rlver_jax.models.factory import abstract_model, state_shardings
@@ -106,12 +110,13 @@ def _layers_of(key: str, config: Qwen2Config) -> list[int | None]:
 
 def load_pretrained(path: str, dtype=jnp.bfloat16, mesh: Mesh | None = None, *,
                     rules: ShardingRules = DEFAULT_RULES, head: Head = "lm", param_dtype=None,
-                    remat: RematPolicy = "none") -> tuple[Qwen2, Qwen2Config]:
+                    remat: RematPolicy = "none", int8_weights: bool = False) -> tuple[Qwen2, Qwen2Config]:
   """Loads a Hugging Face Qwen2/Llama safetensors directory (local or gs://) as `(model, config)`.
 
   `dtype` is the compute dtype and, unless `param_dtype` says otherwise, the param dtype. With `mesh`,
   every param is created directly in the sharding `rules` give it; without, on the default device. A
   value-head model (`head="value"`) gets a zero value head and ignores the checkpoint's LM head.
+  `int8_weights` (a frozen model) quantizes the linear weights as they load (`models/quant.py`).
   """
   path = str(path)
   if not storage.exists(path):
@@ -127,7 +132,7 @@ def load_pretrained(path: str, dtype=jnp.bfloat16, mesh: Mesh | None = None, *,
   _check_unused(path, table, config)
 
   graphdef, abstract = nnx.split(abstract_model(config, head=head, param_dtype=param_dtype, dtype=dtype,
-                                                remat=remat))
+                                                remat=remat, int8_weights=int8_weights))
   if mesh is not None:
     by_path = nnx.to_flat_state(state_shardings(abstract, mesh, rules))
     shardings = {_key(p): v.get_value() for p, v in by_path}
@@ -135,14 +140,22 @@ def load_pretrained(path: str, dtype=jnp.bfloat16, mesh: Mesh | None = None, *,
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     shardings = {_key(p): device for p, _ in nnx.to_flat_state(abstract)}
   specs = param_specs(config, head)
-  loaded = []
+  values = {}
   for p, var in nnx.to_flat_state(abstract):
     key = _key(p)
-    if key in mappings:
-      value = _load_param(table, mappings[key], specs[key], shardings[key], config, param_dtype)
+    if key in values:  # a scale, loaded with its weight
+      continue
+    if key in mappings and int8_weights and key in quant.INPUT_AXES:
+      scale_key = key + quant.SCALE_SUFFIX
+      values[key], values[scale_key] = _load_param(
+          table, mappings[key], specs[key], (shardings[key], shardings[scale_key]), config,
+          param_dtype, quantize_dims=quant.input_dims(key, specs[key].logical_axes))
+    elif key in mappings:
+      values[key] = _load_param(table, mappings[key], specs[key], shardings[key], config, param_dtype)
     else:  # The value head: not in Hugging Face checkpoints.
-      value = jax.jit(functools.partial(jnp.zeros, var.shape, param_dtype), out_shardings=shardings[key])()
-    loaded.append((p, var.replace(value)))
+      values[key] = jax.jit(functools.partial(jnp.zeros, var.shape, param_dtype),
+                            out_shardings=shardings[key])()
+  loaded = [(p, var.replace(values[_key(p)])) for p, var in nnx.to_flat_state(abstract)]
   return nnx.merge(graphdef, nnx.from_flat_state(loaded)), config
 
 
@@ -205,27 +218,44 @@ def _same_values(a: st.TensorInfo, b: st.TensorInfo, chunk_bytes: int = 64 << 20
   return True
 
 
-def _load_param(table, mapping: _Mapping, spec: ParamSpec, sharding: jax.sharding.Sharding,
-                config: Qwen2Config, param_dtype) -> jax.Array:
+def _load_param(table, mapping: _Mapping, spec: ParamSpec, sharding, config: Qwen2Config, param_dtype,
+                quantize_dims: tuple[int, ...] | None = None):
+  """The param in its sharding; with `quantize_dims` (its input dims), `sharding` is a pair and the
+  result is (int8 values, fp32 scale), each layer slice quantized on its devices as it lands."""
   np_dtype = np.dtype(param_dtype)
+  stacked = spec.logical_axes[:1] == ("layers",)
 
   def host_view(layer: int | None) -> np.ndarray:
     name = mapping.name(layer)
     shape = spec.shape if layer is None else spec.shape[1:]
     return mapping.to_ours(st.read_tensor(table[name], name), shape)
 
-  if spec.logical_axes[:1] != ("layers",):
-    return _put(host_view(None), sharding, np_dtype)
-  out = jax.jit(functools.partial(jnp.zeros, spec.shape, param_dtype), out_shardings=sharding)()
+  if quantize_dims is not None:
+    np_dtype = np.dtype(np.float32)  # one tensor or layer at a time, quantized from full precision
+    slice_dims = tuple(d - 1 for d in quantize_dims) if stacked else quantize_dims
+    to_int8 = jax.jit(functools.partial(quant.quantize, dims=slice_dims),
+                      out_shardings=tuple(map(_without_leading_axis, sharding)) if stacked else sharding)
+  if not stacked:
+    value = _put(host_view(None), sharding if quantize_dims is None else sharding[0], np_dtype)
+    return value if quantize_dims is None else to_int8(value)
+  if quantize_dims is None:
+    out = jax.jit(functools.partial(jnp.zeros, spec.shape, param_dtype), out_shardings=sharding)()
+    layer_sharding = _without_leading_axis(sharding)
+  else:
+    scale_shape = tuple(n for d, n in enumerate(spec.shape) if d not in quantize_dims)
+    out = jax.jit(lambda: (jnp.zeros(spec.shape, jnp.int8), jnp.zeros(scale_shape, jnp.float32)),
+                  out_shardings=sharding)()
+    layer_sharding = _without_leading_axis(sharding[0])
   set_layer = jax.jit(_set_layer, donate_argnums=0, out_shardings=sharding)
-  layer_sharding = _without_leading_axis(sharding)
   for i in range(config.num_layers):
-    out = set_layer(out, _put(host_view(i), layer_sharding, np_dtype), np.int32(i))
+    layer = _put(host_view(i), layer_sharding, np_dtype)
+    out = set_layer(out, layer if quantize_dims is None else to_int8(layer), np.int32(i))
   return out
 
 
-def _set_layer(stacked: jax.Array, layer: jax.Array, i: jax.Array) -> jax.Array:
-  return stacked.at[i].set(layer)
+def _set_layer(stacked, layer, i: jax.Array):
+  """Layer i of a stacked param (or of an (int8, scale) pair) set in place."""
+  return jax.tree.map(lambda s, x: s.at[i].set(x), stacked, layer)
 
 
 def _put(host: np.ndarray, sharding: jax.sharding.Sharding, np_dtype: np.dtype) -> jax.Array:

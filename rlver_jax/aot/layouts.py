@@ -1,0 +1,98 @@
+"""The meshes a run's programs compile on: training (update, scoring passes) on `config.mesh`, the
+policy's rollout on `rollout.policy_mesh`, the simulator on `simulator.mesh`, all over the same
+devices (`rlver_jax.spec.layouts` resolves each setting; 'auto' adds FSDP only where a model's
+weight shard would crowd the chip's HBM, so it is given the weights' bytes and the HBM here).
+
+A policy in a serving layout decodes from a copy of its weights in the compute dtype, refreshed once
+per step from the training params (`programs.reshard_program`); with 'train' it decodes from the
+training params themselves (the behaviour before layouts: no copy, no reshard).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+import ml_collections
+from flax import nnx
+from jax.sharding import Mesh
+
+from rlver_jax.aot import programs as ap
+from rlver_jax.parallel.sharding import MESH_AXES, MeshConfig, make_mesh
+from rlver_jax.spec import layouts as spec_layouts
+
+
+def _shape(mesh: Mesh) -> str:
+  return "x".join(str(mesh.shape[a]) for a in ("data", "fsdp", "tensor"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layouts:
+  """The three meshes of a run over one set of devices; `policy_copy`: the policy decodes from a
+  compute-dtype copy in its own layout (resident, refreshed by the reshard)."""
+  train: Mesh
+  policy: Mesh
+  simulator: Mesh
+  policy_copy: bool = False
+
+  def for_role(self, role: str) -> Mesh:
+    return {"policy": self.policy, "simulator": self.simulator}.get(role, self.train)
+
+  def for_program(self, name: str) -> Mesh:
+    """The mesh a registered program compiles on: its role's for sampler programs, else training."""
+    return self.for_role(name.partition("_")[0])
+
+  def describe(self) -> str:
+    """'train 1x32x1, policy decode 8x1x4 (bf16 copy), simulator decode 4x1x8' (data x fsdp x tensor)."""
+    copy = " (decode copy)" if self.policy_copy else ""
+    return (f"train {_shape(self.train)}, policy decode {_shape(self.policy)}{copy}, "
+            f"simulator decode {_shape(self.simulator)} (data x fsdp x tensor)")
+
+  def shape(self, role: str) -> str:
+    return _shape(self.for_role(role))
+
+
+def single(mesh: Mesh) -> Layouts:
+  """Every program on one mesh (an aot config's programs)."""
+  return Layouts(mesh, mesh, mesh)
+
+
+def weight_bytes(model: ml_collections.ConfigDict) -> int:
+  """Bytes of a model's whole weights (every shard together), as `aot.programs` describes it."""
+  _, state = nnx.split(ap._module(model))
+  return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+
+def resolve(config: ml_collections.ConfigDict, devices: Sequence[jax.Device], train: MeshConfig,
+            hbm_bytes: int | None) -> Layouts:
+  """The run's layouts on `devices` with training mesh `train`; ValueError (naming the key) for a
+  decode layout that does not divide the devices or the model's heads."""
+  n = len(devices)
+  train_mesh = make_mesh(train, devices)
+  meshes = {}
+  for role, key, value, model in (
+      ("policy", "rollout.policy_mesh", config.rollout.policy_mesh, ap.policy_decode_model(config)),
+      ("simulator", "simulator.mesh", config.simulator.mesh, ap.simulator_model(config))):
+    if value == spec_layouts.TRAIN:
+      meshes[role] = train_mesh
+      continue
+    sizes = spec_layouts.resolve_layout(value, key, ap.model_config(model), train, n,
+                                        weight_bytes=weight_bytes(model), hbm_bytes=hbm_bytes)
+    # The training mesh's device order, reshaped: one jit (the reshard) refuses shardings whose
+    # meshes order the same devices differently (mesh_utils orders each shape its own way).
+    meshes[role] = Mesh(np.asarray(train_mesh.devices).reshape(sizes.resolve(n)), MESH_AXES)
+  return Layouts(train_mesh, meshes["policy"], meshes["simulator"],
+                 policy_copy=config.rollout.policy_mesh != spec_layouts.TRAIN)
+
+
+RESHARD = "policy_reshard"
+
+
+def build(name: str, config: ml_collections.ConfigDict, layouts: Layouts):
+  """(jitted_fn, abstract_args) of a registered program (`programs.PROGRAMS`) or the reshard, on
+  its layout's mesh."""
+  if name == RESHARD:
+    return ap.reshard_program(config, layouts.train, layouts.policy)
+  return ap.PROGRAMS[name](config, layouts.for_program(name))

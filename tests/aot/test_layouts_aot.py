@@ -1,0 +1,127 @@
+"""The step-time model and memory plan in per-model layouts, on 8 fake CPU devices and a tiny model:
+a serving-layout decode step moves no weights (the FSDP one all-gathers them all), the reshard moves
+what the two shardings say by hand, and the report names each phase's layout."""
+import importlib.util
+
+import jax
+import pytest
+
+import test_aot
+from rlver_jax.aot import layouts as aot_layouts
+from rlver_jax.aot import plan as run_plan
+from rlver_jax.aot import step_time
+from rlver_jax.aot.chips import CHIPS
+from rlver_jax.aot.report import run_layouts
+from rlver_jax.aot.topology import AotError
+from rlver_jax.models import presets
+
+_T = test_aot._TINY   # 2 layers, D 256, 4 q / 2 kv heads of 64, MLP 512, vocab 1024, untied
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+  monkeypatch.setitem(presets.PRESETS, "aot-test-tiny", _T)
+  config = test_aot._tiny_run()   # runlocal: fp32 params and compute, so no cast in the reshard
+  config.rl.profiles_per_step = 4   # 8 dialogues: one cache row per device
+  return config
+
+
+def _layer_weight_bytes() -> int:
+  """One layer's fp32 matrices: q, o (D x H Dh), k, v (D x K Dh), gate, up, down (D x F)."""
+  D, H, K, Dh, F = _T.hidden_size, _T.num_heads, _T.num_kv_heads, _T.head_dim, _T.intermediate_size
+  return 4 * (2 * D * H * Dh + 2 * D * K * Dh + 3 * D * F)
+
+
+def _split_bytes() -> int:
+  """fp32 bytes of every weight with a hidden-size dimension (FSDP-sharded in training)."""
+  return _T.num_layers * _layer_weight_bytes() + 4 * 2 * _T.vocab_size * _T.hidden_size
+
+
+def _decode_link_bytes(config, policy_mesh: str) -> float:
+  config.rollout.policy_mesh = policy_mesh
+  config.policy.max_context = 64   # one window: one compile
+  layouts = run_layouts(config, jax.devices())
+  model = step_time.CostModel(config, layouts)
+  window = config.policy.max_context
+  return model.sampler_call("policy", "decode", None, window).link_bytes
+
+
+def test_serving_decode_moves_no_layer_weights_while_fsdp_gathers_them_all(tiny):
+  assert len(jax.devices()) == 8
+  fsdp = _decode_link_bytes(tiny, "train")       # 1x8x1: every weight all-gathered every step
+  serving = _decode_link_bytes(tiny, "auto")     # 4x1x2: activations all-reduced over 2 chips
+  # Each device lacks 7/8 of every matrix but the token embedding (its rows are looked up in place).
+  embedding = 4 * _T.vocab_size * _T.hidden_size
+  assert fsdp >= 7 / 8 * (_split_bytes() - embedding)
+  assert serving < 0.05 * _layer_weight_bytes()
+
+
+def test_reshard_moves_what_the_shardings_say_by_hand(tiny):
+  """Training 1x8x1 (weights split over their hidden dim) to decode layouts over the same 8 devices.
+  Norms and q/k/v biases are whole on every device in both: nothing to move."""
+  tiny.mesh.fsdp = 8
+  for policy_mesh, share in (("8x1x1", 7 / 8),     # replicated: each device lacks 7 of 8 row blocks
+                             ("4x1x2", 7 / 16)):   # half the columns, of which it held 1/8 of rows
+    tiny.rollout.policy_mesh = policy_mesh
+    layouts = run_layouts(tiny, jax.devices())
+    cost = step_time.CostModel(tiny, layouts).reshard()
+    assert cost.link_bytes == pytest.approx(share * _split_bytes()), policy_mesh
+  tiny.rollout.policy_mesh = "train"   # no copy: nothing resharded, no phase
+  layouts = run_layouts(tiny, jax.devices())
+  assert not layouts.policy_copy and "policy_reshard" not in run_plan.update_programs(tiny)
+
+
+def test_the_estimate_names_each_phases_layout(tiny):
+  tiny.rollout.policy_mesh = "auto"
+  tiny.simulator.mesh = "2x2x2"
+  layouts = run_layouts(tiny, jax.devices())
+  assert layouts.describe() == ("train 1x8x1, policy decode 4x1x2 (decode copy), simulator decode "
+                                "2x2x2 (data x fsdp x tensor)")
+  table = step_time.format_estimate({p: step_time.PhaseTime() for p in step_time.PHASES},
+                                    CHIPS["v5p"], {}, "h", step_time.phase_layouts(layouts))
+  for row in ("| policy decode | 4x1x2 |", "| simulator decode | 2x2x2 |",
+              "| prefills | policy 4x1x2, simulator 2x2x2 |", "| update | 1x8x1 |",
+              "| reshard | 1x8x1 -> 4x1x2 |"):
+    assert row in table
+  tiny.simulator.mesh = "1x1x8"   # 2 kv heads: refused, naming the key
+  with pytest.raises(AotError, match=r"config\.simulator\.mesh='1x1x8': tensor=8 does not divide"):
+    run_layouts(tiny, jax.devices())
+
+
+def test_resident_state_puts_each_model_on_its_mesh(tiny):
+  """The plan's per-device bytes: training state split 8 ways, the decode copy and the simulator
+  split only over their tensor axis (2), each KV cache over rows x kv heads (8)."""
+  tiny.simulator.mesh = "auto"
+  tiny.rollout.policy_mesh = "auto"
+  layouts = run_layouts(tiny, jax.devices())
+  state = run_plan.resident_state(tiny, layouts)
+  whole = aot_layouts.weight_bytes(aot_layouts.ap.policy_model(tiny))
+  assert state["update"]["policy decode copy"] == pytest.approx(whole / 2, rel=0.02)
+  assert state["update"]["policy params"] == pytest.approx(whole / 8, rel=0.02)
+  assert set(state["rollout"]) - set(state["update"]) == {"policy KV cache"}
+  # 8 rows of 256 slots, 2 kv heads of 64, k and v, fp32, 2 layers; one row and one head a device.
+  kv = 2 * _T.num_layers * 8 * 256 * _T.num_kv_heads * _T.head_dim * 4
+  assert state["rollout"]["policy KV cache"] == pytest.approx(kv / 8, rel=0.01)
+
+
+_needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                   reason='libtpu is not installed (pip install "jax[tpu]==0.10.2")')
+
+
+@_needs_libtpu
+def test_a_resident_tp8_simulator_costs_13_gib_more_per_chip_than_fsdp_on_v5p_64():
+  """grpo_think's 72B simulator on 32 chips (no compiling): TP8 x DP4 holds 1/8 of it per chip,
+  FSDP 1/32; the difference is 3/32 of its ~145 GB of bf16 weights."""
+  from rlver_jax.aot.topology import get_topology, hbm_per_device
+  config = test_aot._RUN_CONFIGS["grpo_think"]()
+  devices = get_topology("v5p:2x4x4")
+  sims = {}
+  for value in ("auto", "train"):
+    with config.unlocked():
+      config.simulator.mesh = value
+    layouts = run_layouts(config, devices, None, hbm_per_device(devices))
+    sims[value] = run_plan.resident_state(config, layouts)["update"]["simulator params"]
+  assert layouts.shape("simulator") == "1x32x1"
+  whole = aot_layouts.weight_bytes(aot_layouts.ap.simulator_model(config))
+  assert sims["auto"] - sims["train"] == pytest.approx(whole * (1 / 8 - 1 / 32), rel=0.01)
+  assert 12.5 < (sims["auto"] - sims["train"]) / 2**30 < 13.5

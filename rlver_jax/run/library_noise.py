@@ -33,10 +33,18 @@ def _raised_in_library(exc_info) -> bool:
   return tb is not None and _in_library(tb.tb_frame.f_code.co_filename)
 
 
+def _is_own_wait(record: logging.LogRecord) -> bool:
+  """Orbax's "Waiting for previous save to complete took N seconds" times every wait, including
+  the one `run.checkpoint` makes before each save to surface the previous save's failure: on a
+  busy host it fires on that deliberate wait, and its advice (save less often) does not apply."""
+  return str(record.msg).startswith("Waiting for previous save to complete")
+
+
 class _Demote(logging.Filter):
   """Debug records instead: orbax's records that carry a traceback, asyncio's about an exception
-  raised in orbax or TensorStore (a read task nobody awaited after a failed restore), and inside
-  `reading_checkpoints` all of orbax's (a damaged checkpoint makes it log errors it then raises)."""
+  raised in orbax or TensorStore (a read task nobody awaited after a failed restore), inside
+  `reading_checkpoints` all of orbax's (a damaged checkpoint makes it log errors it then raises),
+  and orbax's timing of our own wait before a save (`_is_own_wait`)."""
 
   def __init__(self):
     super().__init__()
@@ -46,7 +54,8 @@ class _Demote(logging.Filter):
     if record.name == "asyncio":
       echo = self.restoring or _raised_in_library(record.exc_info)
     else:
-      echo = _in_library(record.pathname) and (record.exc_info or self.restoring)
+      echo = _in_library(record.pathname) and (record.exc_info or self.restoring
+                                               or _is_own_wait(record))
     if not echo:
       return True
     record.levelno, record.levelname = logging.DEBUG, "DEBUG"

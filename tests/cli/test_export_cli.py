@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import tiny_world
-from hf_checkpoints import torch_logits
+from hf_checkpoints import hf_from_pretrained, torch_logits
 from rlver_jax.train import loop as train
 from rlver_jax.run import trained_policy
 from rlver_jax.run.checkpoint import abstract_like
@@ -68,9 +68,7 @@ def test_export_matches_trained_params(run, tmp_path):
   out = tmp_path / "hf"
   assert trained_policy.export(run["workdir"], str(out)) == 2  # the latest step
   assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
-  import transformers
-  hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype="float32").eval()
-  ref = torch_logits(hf, IDS)
+  ref = torch_logits(hf_from_pretrained(out), IDS)
   ours = _logits(_trained_params(run, 2))
   err = np.abs(ours - ref).max()
   assert err <= 1e-4 * np.abs(ref).max(), err

@@ -1,22 +1,25 @@
 """Our lm-eval backend (RlverLM: our model + KV-cached sampler) against lm-eval's own Hugging Face
 backend (HFLM, transformers in fp32) on the embedded SmolLM2-135M and the shipped offline tasks:
 the same per-sample log-likelihoods (fp32 rounding), the same chosen answers, the same greedy texts.
+HFLM runs in .venv-torch (`torch_reference`); lm-eval's evaluator drives both backends from here.
 """
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a hub
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch's spinning threads would starve JAX's
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 pytest.importorskip("lm_eval", reason="needs lm-eval==0.4.13 (pip install -e '.[eval]')")
-torch = pytest.importorskip("torch")
+import torch_reference  # noqa: E402
+
+if not torch_reference.available():
+  pytest.skip(torch_reference.SKIP_REASON, allow_module_level=True)
 
 from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.models.huggingface import HFLM  # noqa: E402
+from lm_eval.api.model import LM  # noqa: E402
 
 from rlver_jax.evaluation import general as general_eval  # noqa: E402
 from rlver_jax.evaluation.lm_eval_backend import RlverLM  # noqa: E402
@@ -28,6 +31,43 @@ RTOL, ATOL = 2e-5, 2e-4  # fp32 sums of up to ~100 log-probs, two different matm
 LIMIT = 4
 
 
+class _TorchHFLM(LM):
+  """lm-eval's HFLM held by the torch worker: each request's args go there (all HFLM reads of an
+  Instance), its answers come back; the chat template is HFLM's own."""
+
+  def __init__(self, **kwargs):
+    super().__init__()
+    self._worker = torch_reference.worker()
+    self._handle = self._worker.request("hflm", kwargs)
+    self.tokenizer = load_tokenizer(kwargs["pretrained"])  # general_eval.evaluate reads its template
+
+  def _run(self, method, requests):
+    if not requests:
+      return []
+    return self._worker.request("lm_requests", self._handle, method, requests[0].request_type,
+                                [r.args for r in requests])
+
+  def loglikelihood(self, requests, disable_tqdm=False):
+    return self._run("loglikelihood", requests)
+
+  def loglikelihood_rolling(self, requests, disable_tqdm=False):
+    return self._run("loglikelihood_rolling", requests)
+
+  def generate_until(self, requests, disable_tqdm=False):
+    return self._run("generate_until", requests)
+
+  def apply_chat_template(self, chat_history, add_generation_prompt=True):
+    return self._worker.request("call", self._handle, "apply_chat_template", (chat_history,),
+                                {"add_generation_prompt": add_generation_prompt})
+
+  @property
+  def tokenizer_name(self):
+    return self._worker.request("get", self._handle, "tokenizer_name")
+
+  def chat_template(self, chat_template=False):
+    return self._worker.request("call", self._handle, "chat_template", (chat_template,), {})
+
+
 @pytest.fixture(scope="module")
 def backends():
   path = embedded_model_dir()
@@ -35,13 +75,11 @@ def backends():
   # batch 3 with 4+ requests per call: batches with padding rows, and more than one batch.
   ours = RlverLM(model, load_tokenizer(path), batch_size=3, max_length=96, max_gen_toks=24,
                  decode_chunk=5, checkpoint_dir=path)
-  hf = HFLM(pretrained=path, device="cpu", dtype="float32", batch_size=3, max_length=96)
-  # One torch thread: if torch was loaded before this module, its OpenMP threads spin-wait, and
-  # beside JAX's on 2 cores that made transformers' generate ~10x slower.
-  threads = torch.get_num_threads()
-  torch.set_num_threads(1)
+  hf = _TorchHFLM(pretrained=path, device="cpu", dtype="float32", batch_size=3, max_length=96)
+  # One torch thread, as this test has always run transformers (beside JAX's threads on 2 cores).
+  threads = torch_reference.worker().request("torch_threads", 1)
   yield ours, hf
-  torch.set_num_threads(threads)
+  torch_reference.worker().request("torch_threads", threads)
 
 
 def _by_doc(results, task):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import torch_reference
 from rlver_jax.models import embedded, load_pretrained
 from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
 
@@ -41,16 +42,13 @@ def batch(ckpt):
 
 
 def _torch_last_logits(model, ids, seg, lengths) -> np.ndarray:
-  import torch
-  with torch.no_grad():
-    out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(seg)).logits.float().numpy()
+  out = model.logits(ids, attention_mask=seg)
   return out[np.arange(len(ids)), lengths - 1]
 
 
 @pytest.fixture(scope="module")
 def hf_logits(ckpt, batch):
-  transformers = pytest.importorskip("transformers")
-  model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype="float32").eval()
+  model = torch_reference.from_pretrained(ckpt, dtype="float32")
   return _torch_last_logits(model, *batch), model
 
 
@@ -88,38 +86,32 @@ def test_ours_matches_transformers(ckpt, batch, hf_logits):
 
 
 def test_converter_matches_transformers_gguf_loader(ckpt, batch, hf_logits):
-  pytest.importorskip("accelerate")
-  import torch
-  import transformers
   pkg = os.path.dirname(embedded.gguf_path())
-  try:
-    gguf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        pkg, gguf_file=embedded.GGUF_FILE, dtype=torch.float32).eval()
+  try:  # in .venv-torch, which has accelerate (transformers' GGUF reading needs it)
+    gguf_model = torch_reference.from_pretrained(pkg, gguf_file=embedded.GGUF_FILE, dtype="float32")
   except (ImportError, ValueError) as e:
     pytest.skip(f"transformers cannot read the GGUF here: {e}")
   ref, converted = hf_logits
-  theirs = converted.state_dict()
-  for name, w in gguf_model.state_dict().items():
-    np.testing.assert_array_equal(theirs[name].numpy(), w.numpy(), err_msg=name)
+  # Every tensor of transformers' GGUF reading equals ours, bit for bit (compared in the worker).
+  assert converted.state_dict_differences(gguf_model) == []
   np.testing.assert_array_equal(_torch_last_logits(gguf_model, *batch), ref)
 
 
 def test_tokenizer_matches_transformers_gguf_tokenizer(ckpt):
-  import transformers
   pkg = os.path.dirname(embedded.gguf_path())
-  try:
-    theirs = transformers.AutoTokenizer.from_pretrained(pkg, gguf_file=embedded.GGUF_FILE)
+  try:  # in .venv-torch: transformers reads GGUF files only where torch is installed
+    theirs = torch_reference.auto_tokenizer(pkg, gguf_file=embedded.GGUF_FILE)
   except (ImportError, ValueError) as e:
     pytest.skip(f"transformers cannot read the GGUF tokenizer here: {e}")
   ours = load_tokenizer(ckpt)
-  assert ours.chat_template == theirs.chat_template
+  assert ours.chat_template == theirs.get("chat_template")
   for messages in PROMPTS:
     text = ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
+    assert ours.encode(text, add_special_tokens=False) == theirs.call("encode", text, add_special_tokens=False)
   # Our pre-tokenizer splits digits one by one (as SmolLM2's own tokenizer.json does); the merges never
   # join digits, so the ids agree with transformers' plain byte-level split here too.
   sample = "In 2024, 1234567 octopi ate 3.14159 pies!  Ünïcödé 你好 \n\n\ttabs"
-  assert ours.encode(sample, add_special_tokens=False) == theirs.encode(sample, add_special_tokens=False)
+  assert ours.encode(sample, add_special_tokens=False) == theirs.call("encode", sample, add_special_tokens=False)
 
 
 def test_missing_package_message(monkeypatch):

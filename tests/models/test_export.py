@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hf_checkpoints import torch_logits
+from hf_checkpoints import hf_from_pretrained, torch_logits
 from rlver_jax.models import Qwen2Config, create_model, export_pretrained, load_pretrained
 from rlver_jax.models.io import safetensors as st
 from rlver_jax.models.tokenizer import QWEN25_DEFAULT_SYSTEM
@@ -30,9 +30,7 @@ def _params(model) -> dict[str, np.ndarray]:
 
 
 def _hf_logits(out_dir) -> np.ndarray:
-  import transformers
-  hf = transformers.AutoModelForCausalLM.from_pretrained(str(out_dir), dtype="float32").eval()
-  return torch_logits(hf, IDS)
+  return torch_logits(hf_from_pretrained(out_dir), IDS)
 
 
 @pytest.mark.parametrize("qkv_bias,tied", [(True, False), (False, True)], ids=["qwen2-untied", "llama-tied"])

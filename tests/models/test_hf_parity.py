@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hf_checkpoints import CASES, make_hf_checkpoint, torch_logits
+from hf_checkpoints import CASES, hf_from_pretrained, make_hf_checkpoint, torch_logits
 from rlver_jax.models import load_pretrained
 from rlver_jax.models.io import hf as hf_io
 from rlver_jax.models.io import safetensors as st
@@ -101,7 +101,6 @@ def test_sharded_load_matches_single_device(tmp_path):
 
 
 def test_value_head_loads_backbone(tmp_path):
-  import torch
   torch_model = make_hf_checkpoint(tmp_path, arch="llama", tied=False, kv_heads=2)
   critic, config = load_pretrained(str(tmp_path), dtype=jnp.float32, head="value")
   assert not hasattr(critic, "lm_head")
@@ -112,8 +111,7 @@ def test_value_head_loads_backbone(tmp_path):
   critic.value_head.set_value(jnp.asarray(w))
   critic.value_bias.set_value(jnp.asarray(b))
   # Independent reference: transformers' fp32 final-norm hidden states, dotted with the head in fp64.
-  with torch.no_grad():
-    hidden = torch_model.model(torch.tensor(IDS)).last_hidden_state.double().numpy()
+  hidden = torch_model.hidden_states(IDS)
   ref = hidden @ w.astype(np.float64) + float(b)
   ours = np.asarray(critic(jnp.asarray(IDS, jnp.int32)))
   assert ours.shape == IDS.shape and ours.dtype == np.float32
@@ -203,13 +201,12 @@ def test_config_that_does_not_describe_the_weights_is_refused(tmp_path):
 def test_harmless_extra_tensors_load_like_transformers(tmp_path):
   # A tied checkpoint that also stores lm_head.weight (equal to the embedding, as torch .bin exports
   # do) and older checkpoints' rotary inv_freq buffers: transformers loads both as the tied model.
-  import transformers
   torch_model = make_hf_checkpoint(tmp_path, arch="qwen2", tied=True, kv_heads=2)
   table, _ = st.open_checkpoint(str(tmp_path))
   embed = st.read_tensor(table["model.embed_tokens.weight"]).copy()
   inv_freq = np.arange(6, dtype=np.float32)
   _add_tensors(tmp_path, {"lm_head.weight": embed, "model.layers.0.self_attn.rotary_emb.inv_freq": inv_freq})
-  hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype="float32").eval()
+  hf = hf_from_pretrained(tmp_path)
   ref = torch_logits(hf, IDS)
   np.testing.assert_allclose(ref, torch_logits(torch_model, IDS), rtol=0, atol=1e-6 * np.abs(ref).max())
   model, config = load_pretrained(str(tmp_path), dtype=jnp.float32)
@@ -242,8 +239,7 @@ def test_single_file_wins_over_a_stale_index_like_transformers(tmp_path):
   torch_model = make_hf_checkpoint(tmp_path / "both", seed=2)
   for p in (tmp_path / "sharded").glob("model*.safetensors*"):
     shutil.copy(p, tmp_path / "both" / p.name)
-  import transformers
-  hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "both"), dtype="float32").eval()
+  hf = hf_from_pretrained(tmp_path / "both")
   ids = np.arange(2, 14).reshape(2, 6)
   ref = torch_logits(hf, ids)
   np.testing.assert_allclose(ref, torch_logits(torch_model, ids), rtol=1e-6, atol=1e-6)

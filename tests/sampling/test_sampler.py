@@ -36,16 +36,14 @@ def _sampler(model, **kw):
 
 
 def test_greedy_matches_transformers_generate(checkpoint):
-  import torch
   torch_model, model = checkpoint
   sampler = _sampler(model)
   params = nnx.state(model)
   cache, logits = sampler.prefill(params, sampler.init_cache(len(PROMPTS)), PROMPTS)
   res = sampler.decode(params, cache, logits, rng=jax.random.key(0), max_new_tokens=24, sampling=GREEDY)
   for b, prompt in enumerate(PROMPTS):
-    with torch.no_grad():
-      ref = torch_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                 eos_token_id=EOS, pad_token_id=0)[0, len(prompt):].tolist()
+    ref = torch_model.generate([prompt], max_new_tokens=24, do_sample=False,
+                               eos_token_id=EOS, pad_token_id=0)[0, len(prompt):].tolist()
     assert res.row(b) == ref
     assert res.num_tokens[b] == len(ref)
     assert res.stopped[b] == (ref[-1] == EOS)

@@ -66,7 +66,7 @@ options:
                         changes are not included)
   --ref=GIT_REF         branch, tag or commit to install (default: main)
   --python=EXE          interpreter for the venv on the workers (default: the
-                        first Python >= 3.11 found, else python3.11 via apt)
+                        first Python >= 3.12 found, else python3.12 via apt)
   --log=PATH            log file on the workers (default: ${DEFAULT_LOG};
                         relative paths are relative to ~/rlver_jax)
   --worker=N            worker whose log 'logs' follows (default: 0)
@@ -250,8 +250,9 @@ readonly RETRY_LOOP_LINE='retry_loop='"'"'stopped=0; trap "stopped=1" TERM; whil
 readonly LOG_PATH_LINE='case $log in "~/"*) log="$HOME/${log#"~/"}" ;; /*) ;; *) log="$HOME/rlver_jax/$log" ;; esac;'
 
 # install REPO REF PYTHON: clone or update ~/rlver_jax at REF, make its venv,
-# pip install -e '.[tpu]'.  The pinned jax needs Python >= 3.11; the TPU base
-# images ship 3.10, so python3.11 comes from apt when no newer one is present.
+# pip install -e '.[tpu]'.  The pinned jax needs Python >= 3.12; the TPU base
+# images ship 3.10, so python3.12 comes from apt when no newer one is present
+# (Ubuntu 22.04 images have it only in the deadsnakes PPA, added then).
 # shellcheck disable=SC2016
 INSTALL_SCRIPT='
 set -euo pipefail;
@@ -276,14 +277,18 @@ else
   exit 1;
 fi;
 git -C "$dir" checkout --quiet --force --detach "$commit";
-py_ok() { "$1" -c "import sys; sys.exit(sys.version_info < (3, 11))" 2>/dev/null; };
+py_ok() { "$1" -c "import sys; sys.exit(sys.version_info < (3, 12))" 2>/dev/null; };
 apt_install() { sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"; };
 if [ -z "$py" ]; then
-  for c in python3 python3.14 python3.13 python3.12 python3.11; do
+  for c in python3 python3.14 python3.13 python3.12; do
     if command -v "$c" >/dev/null 2>&1 && py_ok "$c"; then py=$c; break; fi;
   done;
 fi;
-if [ -z "$py" ]; then apt_install python3.11 python3.11-venv; py=python3.11; fi;
+if [ -z "$py" ]; then
+  apt_install python3.12 python3.12-venv ||
+    { sudo add-apt-repository -y ppa:deadsnakes/ppa && apt_install python3.12 python3.12-venv; };
+  py=python3.12;
+fi;
 if [ ! -x "$dir/.venv/bin/python" ] && ! "$py" -m venv "$dir/.venv"; then
   rm -rf "$dir/.venv";
   apt_install "${py##*/}-venv";

@@ -9,7 +9,7 @@ With a training config (configs/grpo_think.py, ...) it compiles every program of
 the config's real shapes and adds the whole-run plan (`rlver_jax.aot.plan`): per phase, the resident
 state plus the largest program's private need, and the run total = the larger phase.
 
-Needs libtpu (`pip install "jax[tpu]==0.10.2"`), which can describe and compile for any slice without a
+Needs libtpu (`pip install "jax[tpu]==0.12.0.1"`), which can describe and compile for any slice without a
 TPU attached. Programs come from `rlver_jax.aot.programs.PROGRAMS`; the config names them in
 `config.programs` (a training config: `run_plan.run_programs`; `--programs=a,b` picks some). The
 compiling and the report are `rlver_jax.aot.report`; this module is the command line only.

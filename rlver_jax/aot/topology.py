@@ -13,7 +13,7 @@ import jax
 from jax.experimental import topologies
 
 _GIB = 2**30
-_INSTALL = 'pip install "jax[tpu]==0.10.2"'
+_INSTALL = 'pip install "jax[tpu]==0.12.0.1"'
 
 # HBM per chip, keyed by `device.device_kind` as libtpu reports it.
 CHIP_HBM: dict[str, int] = {

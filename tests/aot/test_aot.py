@@ -12,7 +12,7 @@ import sys
 import pytest
 
 if importlib.util.find_spec("libtpu") is None:
-  pytest.skip('libtpu is not installed (pip install "jax[tpu]==0.10.2")', allow_module_level=True)
+  pytest.skip('libtpu is not installed (pip install "jax[tpu]==0.12.0.1")', allow_module_level=True)
 
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
@@ -118,7 +118,7 @@ def test_topology_leaves_no_tpu_environment_behind(topology_ok):
 def test_missing_libtpu_is_a_one_line_error(monkeypatch):
   monkeypatch.setitem(sys.modules, "libtpu", None)   # makes `import libtpu` raise ImportError
   monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
-  with pytest.raises(topology.AotError, match=r'pip install "jax\[tpu\]==0.10.2"'):
+  with pytest.raises(topology.AotError, match=r'pip install "jax\[tpu\]==0\.12\.0\.1"'):
     topology.get_topology("v5e:2x2")
 
 

@@ -105,7 +105,7 @@ def test_resident_state_puts_each_model_on_its_mesh(tiny):
 
 
 _needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                   reason='libtpu is not installed (pip install "jax[tpu]==0.10.2")')
+                                   reason='libtpu is not installed (pip install "jax[tpu]==0.12.0.1")')
 
 
 @_needs_libtpu

@@ -212,7 +212,7 @@ def test_calls_from_metrics_reads_a_step_and_names_a_bad_file(tmp_path):
 # -- the command line on the smallest TPU slice -----------------------------------------------------
 
 _needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                   reason='libtpu is not installed (pip install "jax[tpu]==0.10.2")')
+                                   reason='libtpu is not installed (pip install "jax[tpu]==0.12.0.1")')
 
 
 @pytest.fixture

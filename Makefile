@@ -61,11 +61,12 @@ demo-model: embedded
 
 # Benchmark-only environment for `decode_throughput.py --peers tunix`: google-tunix pins
 # safetensors<0.8, so it goes in without its dependencies, on top of the project's pins
-# (benchmarks/requirements-tunix*.txt).
+# (benchmarks/requirements-tunix*.txt). No torch: its only CPU wheel here is for Python 3.11, and
+# jax 0.12 needs 3.12, so the in-process transformers peer cannot run in this venv (`--peers tunix`).
 TUNIX_VENV := .venv-tunix
 bench-tunix-env: embedded
 	test -x $(TUNIX_VENV)/bin/python || $(PYTHON) -m venv $(TUNIX_VENV)
-	$(TUNIX_VENV)/bin/pip install -q torch==2.13.0 -e .
+	$(TUNIX_VENV)/bin/pip install -q -e .
 	$(TUNIX_VENV)/bin/pip install -q --no-deps -r benchmarks/requirements-tunix.txt
 	$(TUNIX_VENV)/bin/pip install -q -c requirements.txt -r benchmarks/requirements-tunix-deps.txt
 

@@ -38,7 +38,8 @@ class _TorchHFLM(LM):
   def __init__(self, **kwargs):
     super().__init__()
     self._worker = torch_reference.worker()
-    self._handle = self._worker.request("hflm", kwargs)
+    self._hflm = torch_reference.TorchSide(self._worker.request("hflm", kwargs))
+    self._handle = self._hflm.handle
     self.tokenizer = load_tokenizer(kwargs["pretrained"])  # general_eval.evaluate reads its template
 
   def _run(self, method, requests):

@@ -99,7 +99,7 @@ def test_converter_matches_transformers_gguf_loader(ckpt, batch, hf_logits):
 
 def test_tokenizer_matches_transformers_gguf_tokenizer(ckpt):
   pkg = os.path.dirname(embedded.gguf_path())
-  try:  # in .venv-torch: transformers reads GGUF files only where torch is installed
+  try:  # in .venv-torch: without torch, transformers here fails on the GGUF (read_gguf_metadata)
     theirs = torch_reference.auto_tokenizer(pkg, gguf_file=embedded.GGUF_FILE)
   except (ImportError, ValueError) as e:
     pytest.skip(f"transformers cannot read the GGUF tokenizer here: {e}")

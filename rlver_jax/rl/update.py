@@ -166,8 +166,9 @@ class Updater:
   def step(self, params: nnx.State, opt_state, batch: UpdateBatch, lr_scale: float | None = None):
     """One optimizer update on a mini-batch ([M, B, T] arrays); returns (params, opt_state, metrics).
     `lr_scale` multiplies this update (a warm-up the caller counts in its own unit, e.g. RL steps;
-    traced, no recompile)."""
-    scale = None if lr_scale is None else jnp.asarray(lr_scale, _F32)
+    traced, no recompile). None is 1.0 in the same program: XLA compiles a program with the multiply
+    and one without differently upstream too (reduction orders), so they would not agree bit for bit."""
+    scale = jnp.asarray(1.0 if lr_scale is None else lr_scale, _F32)
     return self._step(params, opt_state, self.weighted(batch), scale)
 
   def weighted(self, batch: UpdateBatch) -> UpdateBatch:

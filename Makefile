@@ -61,10 +61,10 @@ demo-model: embedded
 
 # Benchmark-only environment for `decode_throughput.py --peers tunix`: google-tunix pins
 # safetensors<0.8, so it goes in without its dependencies, on top of the project's pins
-# (benchmarks/requirements-tunix*.txt). No torch: its only CPU wheel here is for Python 3.11, and
-# jax 0.12 needs 3.12, so the in-process transformers peer cannot run in this venv (`--peers tunix`).
+# (benchmarks/requirements-tunix*.txt). No torch in it (its only CPU wheel here is for Python 3.11,
+# jax 0.12 needs 3.12): the transformers peer runs in .venv-torch's worker.
 TUNIX_VENV := .venv-tunix
-bench-tunix-env: embedded
+bench-tunix-env: embedded install-torch
 	test -x $(TUNIX_VENV)/bin/python || $(PYTHON) -m venv $(TUNIX_VENV)
 	$(TUNIX_VENV)/bin/pip install -q -e .
 	$(TUNIX_VENV)/bin/pip install -q --no-deps -r benchmarks/requirements-tunix.txt

@@ -5,6 +5,7 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import pathlib
 import platform
 import statistics
 import subprocess
@@ -13,6 +14,7 @@ import time
 
 import jax
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # Tracing and lowering happen before each backend compile; their time is also compile overhead.
 FRONTEND_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
@@ -82,11 +84,36 @@ def machine_info(with_torch: bool = False) -> str:
   """One Markdown line: cores, CPU, RAM, load average and library versions."""
   parts = [f"nproc={os.cpu_count()}", f"cpu={_cpu_model()}", f"ram={_ram_gib():.1f} GiB",
            f"loadavg={_load()}", f"python={platform.python_version()}", f"jax={jax.__version__}"]
-  if with_torch:
-    import torch
-    import transformers
-    parts += [f"torch={torch.__version__}", f"transformers={transformers.__version__}"]
+  if with_torch:  # the transformers peer's, in the .venv-torch worker
+    v = torch_reference().worker().request("versions")
+    parts += [f"torch={v['torch']} (.venv-torch worker, python={v['python']})",
+              f"transformers={v['transformers']}"]
   return "Machine: " + ", ".join(parts)
+
+
+def torch_reference(**env):
+  """The parity tests' torch client (tests/fixtures/torch_reference.py) with its worker started in
+  .venv-torch: the transformers peer runs there, never in this process. `env` overrides the worker's
+  environment (default OMP_WAIT_POLICY=PASSIVE). Exits with one line if that venv is absent."""
+  fixtures = str(REPO / "tests" / "fixtures")
+  if fixtures not in sys.path:
+    sys.path.append(fixtures)
+  import torch_reference as ref
+  if not ref.available():
+    raise SystemExit(f"{os.path.basename(sys.argv[0])}: {ref.SKIP_REASON}")
+  ref.start(**env)
+  return ref
+
+
+def torch_here():
+  """torch imported in this process, for the scripts that run it beside jax; else a one-line exit."""
+  try:
+    import torch
+  except ImportError:
+    raise SystemExit(f"{os.path.basename(sys.argv[0])}: needs torch in this Python beside jax; there is "
+                     "none for the project's .venv (the CPU torch wheel is for Python 3.11, jax 0.12 needs "
+                     "3.12) and .venv-torch has no jax: run it where one Python has both") from None
+  return torch
 
 
 def command_line() -> str:

@@ -3,11 +3,14 @@
 Same SmolLM2-135M-Instruct weights (the embedded HF directory) on both sides, fp32, batch 8, chat
 prompts of equal length, exactly `--new` new tokens per row (no stop tokens on either side), greedy,
 temperature-1 sampling and the simulator's T=0.7 / top-p 0.9. Runs alternate ours / transformers, `--reps` times; medians are reported.
+transformers runs in the parity tests' torch worker under .venv-torch (`make install-torch`; jax
+0.12 needs Python 3.12, the CPU torch wheel is for 3.11): the worker loads the model, sets
+`--threads` and OMP_WAIT_POLICY=PASSIVE, and times `generate` itself, so the pipe is not timed.
 `--peers transformers,tunix` adds google-tunix's JAX sampler on the same weights and prompt ids to
 every rep (`tunix_peer.py`; needs `make bench-tunix-env` and its `.venv-tunix/bin/python`); tunix
 compiles once per temperature, so each mode is warmed up on every side before the timed reps.
 
-  python benchmarks/decode_throughput.py [--batch 8] [--new 128] [--reps 3] [--no-bf16]
+  cd benchmarks && ../.venv/bin/python decode_throughput.py [--batch 8] [--new 128] [--reps 3] [--no-bf16]
   ../.venv-tunix/bin/python decode_throughput.py --peers transformers,tunix --no-bf16 --no-probe
 """
 from __future__ import annotations
@@ -21,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from _common import CompileCounter, command_line, machine_info, median, table, timed
+from _common import CompileCounter, command_line, machine_info, median, table, timed, torch_reference
 from rlver_jax.models import load_pretrained
 from rlver_jax.models.embedded import embedded_model_dir
 from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
@@ -81,46 +84,20 @@ class Ours:
 
 
 class HF:
-  """transformers generate, EOS disabled so every row produces `new` tokens; on a GPU the clock
-  stops only after the device has finished."""
+  """transformers `generate` in the .venv-torch worker (`_common.torch_reference`), fp32, EOS disabled
+  so every row produces `new` tokens; timed inside the worker, so the pipe is not timed."""
 
-  def __init__(self, path: str, new: int, threads: int):
-    import torch
-    from transformers import AutoModelForCausalLM
-    torch.set_num_threads(threads)
-    self.torch, self.device, self.new = torch, "cpu", new
-    self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-  @classmethod
-  def from_model(cls, model, device: str, new: int) -> "HF":
-    """Wraps an already loaded model on `device` ("cpu" or "cuda")."""
-    import torch
-    hf = cls.__new__(cls)
-    hf.torch, hf.model, hf.device, hf.new = torch, model, device, new
-    return hf
-
-  def _sync(self):
-    if self.device == "cuda":
-      self.torch.cuda.synchronize()
-
-  def _generate(self, ids, new: int, kwargs):
-    with self.torch.inference_mode():
-      out = self.model.generate(ids, attention_mask=self.torch.ones_like(ids), max_new_tokens=new,
-                                min_new_tokens=new, eos_token_id=None, pad_token_id=0, **kwargs)
-    self._sync()
-    return out
+  def __init__(self, path: str, new: int, threads: int, omp_wait_policy: str | None = "PASSIVE"):
+    ref = torch_reference(OMP_WAIT_POLICY=omp_wait_policy)
+    ref.worker().request("torch_threads", threads)
+    self.model, self.new = ref.from_pretrained(path, dtype="float32"), new
 
   def generate(self, prompts: np.ndarray, temperature: float, seed: int, new: int | None = None,
                top_p: float = 1.0):
-    torch = self.torch
     new = new or self.new
-    ids = torch.from_numpy(prompts.astype(np.int64)).to(self.device)
     kwargs = dict(do_sample=False) if temperature == 0 else dict(
         do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-    torch.manual_seed(seed)
-    self._sync()
-    out, t = timed(self._generate, ids, new, kwargs)
-    gen = out[:, prompts.shape[1]:].cpu().numpy()
+    gen, t = self.model.timed_generate(prompts, new, seed, **kwargs)
     assert gen.shape[1] == new, gen.shape
     return gen, t
 
@@ -157,7 +134,7 @@ def main():
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--threads", type=int, default=2)
   ap.add_argument("--omp-active", action="store_true",
-                  help="keep OpenMP's default spin-wait (pathological on an oversubscribed machine)")
+                  help="the torch worker keeps OpenMP's default spin-wait (pathological on an oversubscribed machine)")
   ap.add_argument("--no-bf16", dest="bf16", action="store_false")
   ap.add_argument("--no-probe", dest="probe", action="store_false")
   ap.add_argument("--peers", default="transformers",
@@ -167,7 +144,7 @@ def main():
   if peers - {"transformers", "tunix"}:
     raise SystemExit(f"--peers: unknown peer(s) {sorted(peers - {'transformers', 'tunix'})}")
   if not args.omp_active:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch's OpenMP starts
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when the worker's OpenMP starts
 
   path = embedded_model_dir()
   chat = ChatTokens(load_tokenizer(path))
@@ -177,7 +154,7 @@ def main():
   counter = CompileCounter()
 
   ours = Ours(path, jnp.float32, P + 1, args.new, chat.pad_id)
-  hf = HF(path, args.new, args.threads)
+  hf = HF(path, args.new, args.threads, os.environ.get("OMP_WAIT_POLICY"))
 
   # Warm-up: our first call compiles (prefill + decode programs); transformers' first call warms caches.
   counter.reset()
@@ -232,7 +209,7 @@ def main():
 
   print()
   print(f"Command: `{command_line()}`\n")
-  print(machine_info(with_torch=True) + f", OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}\n")
+  print(machine_info(with_torch=True) + f", worker OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}\n")
   print(f"Batch {B}, prompt {P} tokens, {args.new} new tokens per row ({n_tok} per call), fp32 on both "
         f"sides, {args.reps} alternating reps, medians. torch threads={args.threads}.\n")
   rows = []

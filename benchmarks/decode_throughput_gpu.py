@@ -12,6 +12,9 @@ Decode speed does not depend on weight values, since no row can stop early.
   JAX_PLATFORMS=cpu python benchmarks/decode_throughput_gpu.py --device=cpu --models tiny:float32
 
 Run one framework at a time on the GPU's memory: JAX is told not to preallocate, so both fit.
+Unlike `decode_throughput.py`, torch runs in this process, so it needs one Python with jax and
+torch (CUDA); the project's .venv has no torch (jax 0.12 needs Python 3.12, the torch wheel we use
+is for 3.11), so there it exits with a one-line error.
 """
 from __future__ import annotations
 
@@ -40,10 +43,43 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from _common import command_line, median, table  # noqa: E402
-from decode_throughput import HF, Ours, agreement  # noqa: E402
+from _common import command_line, median, table, timed, torch_here  # noqa: E402
+from decode_throughput import Ours, agreement  # noqa: E402
 from model_shapes import shape_config  # noqa: E402
 from rlver_jax.models.presets import Qwen2Config, to_hf_config  # noqa: E402
+
+
+class HF:
+  """transformers generate on a model in this process on `device`, EOS disabled so every row produces
+  `new` tokens; on a GPU the clock stops only after the device has finished."""
+
+  def __init__(self, model, device: str, new: int):
+    import torch
+    self.torch, self.model, self.device, self.new = torch, model, device, new
+
+  def _sync(self):
+    if self.device == "cuda":
+      self.torch.cuda.synchronize()
+
+  def _generate(self, ids, kwargs):
+    with self.torch.inference_mode():
+      out = self.model.generate(ids, attention_mask=self.torch.ones_like(ids), max_new_tokens=self.new,
+                                min_new_tokens=self.new, eos_token_id=None, pad_token_id=0, **kwargs)
+    self._sync()
+    return out
+
+  def generate(self, prompts: np.ndarray, temperature: float, seed: int):
+    torch = self.torch
+    ids = torch.from_numpy(prompts.astype(np.int64)).to(self.device)
+    kwargs = dict(do_sample=False) if temperature == 0 else dict(
+        do_sample=True, temperature=temperature, top_k=0)
+    torch.manual_seed(seed)
+    self._sync()
+    out, t = timed(self._generate, ids, kwargs)
+    gen = out[:, prompts.shape[1]:].cpu().numpy()
+    assert gen.shape[1] == self.new, gen.shape
+    return gen, t
+
 
 def save_random_checkpoint(config: Qwen2Config, dtype: str, device: str, out_dir: str):
   """Random transformers model of this shape on `device`, saved to `out_dir`; returns the model."""
@@ -68,7 +104,7 @@ def bench_one(shape: str, dtype: str, args) -> list:
   with tempfile.TemporaryDirectory() as tmp:
     hf_model = save_random_checkpoint(config, dtype, args.device, tmp)
     ours = Ours(tmp, getattr(jnp, dtype), args.prompt + 1, args.new, pad_id=0)
-  hf = HF.from_model(hf_model, args.device, args.new)
+  hf = HF(hf_model, args.device, args.new)
 
   _, t_pre0, t_dec0 = ours.generate(prompts, 0.0, 0)
   first_ours = t_pre0 + t_dec0
@@ -100,7 +136,7 @@ def bench_one(shape: str, dtype: str, args) -> list:
 
 def main():
   args = parse_args()
-  import torch
+  torch = torch_here()  # a CUDA model is timed in this process (no worker: one device, one process)
   import transformers
   rows = []
   for item in args.models.split(","):

@@ -7,6 +7,10 @@ pass per side (compilation, warm-up), then `--reps` passes alternating ours / hf
 Samples/s counts task samples (documents), lm-eval's own overhead included on both sides.
 
   python benchmarks/lm_eval_throughput.py [--reps 3] [--batch 8]
+
+lm-eval's hf backend runs in this process, so it needs one Python with jax and torch; the project's
+.venv has no torch (jax 0.12 needs Python 3.12, the CPU torch wheel is for 3.11) and exits with a
+one-line error (`tests/evaluation/test_lm_eval_parity.py` drives HFLM in the torch worker instead).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import _common  # noqa: E402,F401  (sets JAX_PLATFORMS=cpu before jax is imported)
 import jax.numpy as jnp  # noqa: E402
 
-from _common import command_line, machine_info, median, table, timed  # noqa: E402
+from _common import command_line, machine_info, median, table, timed, torch_here  # noqa: E402
 from rlver_jax.evaluation import general as general_eval  # noqa: E402
 from rlver_jax.evaluation.lm_eval_backend import RlverLM  # noqa: E402
 from rlver_jax.models import load_pretrained  # noqa: E402
@@ -40,6 +44,7 @@ def main():
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--batch", type=int, default=8)
   args = parser.parse_args()
+  torch = torch_here()  # lm-eval's hf backend runs in this process
   from lm_eval.models.huggingface import HFLM
 
   path = embedded_model_dir()
@@ -61,7 +66,7 @@ def main():
     ours, hf = (n / median(times[s]) for s in ("ours", "hf"))
     rows.append([task, kind, n, ours, hf, f"{ours / hf:.2f}x", f"{first['ours']:.1f} / {first['hf']:.1f}",
                  f"{scores['ours']:.3f} / {scores['hf']:.3f}"])
-  print(machine_info(with_torch=True))
+  print(machine_info() + f", torch={torch.__version__} (in this process)")
   print(command_line())
   print(table(["task", "requests", "samples", "ours samples/s", "hf samples/s", "ratio",
                "first pass s (ours / hf)", "metric (ours / hf)"], rows))

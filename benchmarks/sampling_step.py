@@ -4,7 +4,10 @@ another checkout's `strategies.py` in the same run (`--baseline`). Also how many
 model's top-p nuclei hold while it generates (the filters cut small nuclei from 64 candidates).
 
 The logits are the embedded model's own next-token logits at a batch of chat prompts (peaked the way
-real ones are), tiled to the vocabulary width asked for. Run from benchmarks/:
+real ones are), tiled to the vocabulary width asked for. torch runs in this process beside jax (the
+step is timed interleaved with ours), so it needs one Python with both; the project's .venv has no
+torch (jax 0.12 needs Python 3.12, the CPU torch wheel is for 3.11), so there it exits with a
+one-line error. Run from benchmarks/:
 
   python sampling_step.py [--batch 8] [--vocab 49152,151936] [--reps 50]
       [--baseline OTHER_CHECKOUT/rlver_jax/sampling/strategies.py]
@@ -15,7 +18,7 @@ import argparse
 import importlib.util
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before jax is imported)
-from _common import command_line, machine_info, median, table, timed
+from _common import command_line, machine_info, median, table, timed, torch_here
 
 import jax
 import numpy as np
@@ -109,7 +112,7 @@ def main():
   ap.add_argument("--nucleus-new", type=int, default=128,
                   help="tokens per row generated to measure nucleus sizes (0: skip)")
   args = ap.parse_args()
-  import torch
+  torch = torch_here()
   torch.set_num_threads(2)
   model, enc = load_model_and_prompts(args.batch)
   base = model_logits(model, enc)
@@ -141,7 +144,7 @@ def main():
                   + ([f"{median(c) * 1e3:.2f}", f"{median(c) / median(a):.1f}x"] if other else []))
       print(rows[-1], flush=True)
   print(f"\nCommand: `{command_line()}`\n")
-  print(machine_info(with_torch=True) + "\n")
+  print(machine_info() + f", torch={torch.__version__} (in this process)\n")
   print(f"Medians of {args.reps} calls. Ours: `sample` jitted (filters, draw, sampled and raw log-probs); "
         "transformers: its temperature/top-k/top-p warpers, softmax and torch.multinomial (argmax "
         "for greedy), torch threads=2.\n")

@@ -7,6 +7,9 @@ head dim 64) at keys = T + W for the window the sampler uses (W = T) and the one
 (W = 64, the smallest bucket), next to torch's scaled_dot_product_attention on the same shapes.
 
   python benchmarks/investigations/attention_probe.py [--rows 2] [--tokens 1024] [--reps 3]
+
+torch runs in this process, so it needs one Python with jax and torch; the project's .venv has none
+(jax 0.12 needs Python 3.12, the CPU torch wheel is for 3.11) and exits with a one-line error.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _common import command_line, machine_info, median, table, timed
+from _common import command_line, machine_info, median, table, timed, torch_here
 from rlver_jax.models.qwen2 import attention
 
 H, K, DH = 9, 3, 64
@@ -66,7 +69,7 @@ def main():
   ap.add_argument("--threads", type=int, default=2)
   args = ap.parse_args()
   os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-  import torch
+  torch = torch_here()
   torch.set_num_threads(args.threads)
   T = args.tokens
   rows = []
@@ -77,7 +80,7 @@ def main():
     ref = time_torch(q, k, v, mask, args.reps)
     rows.append([f"{window} + {T}", why, f"{ours:.3f}", f"{ours * 30:.1f}", f"{ref:.3f}", f"{ours / ref:.1f}x"])
   print(f"Command: `{command_line()}`\n")
-  print(machine_info(with_torch=True) + "\n")
+  print(machine_info() + f", torch={torch.__version__} (in this process)\n")
   print(f"One attention layer, {args.rows} rows x {T} new tokens, SmolLM2 heads (9 q / 3 kv, dim 64), "
         f"fp32, medians of {args.reps}.\n")
   print(table(["keys (window + new)", "window", "ours s/layer", "ours x 30 layers s", "torch SDPA s/layer",

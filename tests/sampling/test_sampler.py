@@ -49,6 +49,20 @@ def test_greedy_matches_transformers_generate(checkpoint):
     assert res.stopped[b] == (ref[-1] == EOS)
 
 
+def test_no_stop_greedy_matches_timed_generate(checkpoint):
+  """The decode benchmark's protocol (`benchmarks/decode_throughput.py`): no stop ids on our side,
+  EOS off in the worker's timed `generate`; both give exactly `new` equal tokens per row."""
+  torch_model, model = checkpoint
+  prompts, new = [PROMPTS[2], [30, 31, 32, 33, 34]], 16
+  sampler = Sampler(model, max_len=32, stop_ids=[-1], pad_id=0, append_buckets=(8, 32), min_window=32)
+  params = nnx.state(model)
+  cache, logits = sampler.prefill(params, sampler.init_cache(2), prompts)
+  res = sampler.decode(params, cache, logits, rng=jax.random.key(0), max_new_tokens=new, sampling=GREEDY)
+  ref, seconds = torch_model.timed_generate(prompts, new, 0, do_sample=False)
+  assert ref.shape == (2, new) and seconds > 0
+  assert [res.row(b) for b in range(2)] == ref.tolist()
+
+
 def _full_logprobs(model, tokens):
   logits = model(jnp.asarray([tokens]))[0]
   return np.asarray(jax.nn.log_softmax(logits, axis=-1))

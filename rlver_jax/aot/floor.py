@@ -20,7 +20,6 @@ from flax import nnx
 
 from rlver_jax.aot import programs as ap
 from rlver_jax.aot.chips import ChipSpec
-from rlver_jax.models.presets import param_dtype_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +45,12 @@ def decode_weight_bytes(model: ml_collections.ConfigDict) -> int:
 
 
 def kv_bytes_per_slot(model: ml_collections.ConfigDict) -> int:
-  """One row's keys and values of one cache slot, every layer, in the compute dtype."""
+  """One row's keys and values of one cache slot, every layer, in the cache's dtype (an int8 cache
+  adds its fp32 scale per token and KV head)."""
   c = ap.model_config(model)
-  return 2 * c.num_layers * c.num_kv_heads * c.head_dim * jax.numpy.dtype(
-      param_dtype_of(model.dtype)).itemsize
+  dtype = jax.numpy.dtype(ap.cache_dtype(model))
+  scale = 4 if dtype == jax.numpy.int8 else 0
+  return 2 * c.num_layers * c.num_kv_heads * (c.head_dim * dtype.itemsize + scale)
 
 
 def decode_floor(config: ml_collections.ConfigDict, calls: dict[str, float], role: str,

@@ -125,3 +125,15 @@ def test_a_resident_tp8_simulator_costs_13_gib_more_per_chip_than_fsdp_on_v5p_64
   whole = aot_layouts.weight_bytes(aot_layouts.ap.simulator_model(config))
   assert sims["auto"] - sims["train"] == pytest.approx(whole * (1 / 8 - 1 / 32), rel=0.01)
   assert 12.5 < (sims["auto"] - sims["train"]) / 2**30 < 13.5
+
+
+def test_the_decode_floor_counts_an_int8_cache_in_int8_bytes_plus_its_scales(tiny):
+  """Hand-computed per slot and row, every layer: k and v of each kv head, in the cache's dtype
+  (fp32 under runlocal), and in int8 with one fp32 scale per token and kv head."""
+  from rlver_jax.aot import floor, programs as ap
+  c = ap.model_config(ap.simulator_model(tiny))   # runlocal's simulator keeps 1 of the 2 layers
+  L, K, Dh = c.num_layers, _T.num_kv_heads, _T.head_dim
+  assert (c.num_kv_heads, c.head_dim) == (K, Dh)
+  assert floor.kv_bytes_per_slot(ap.simulator_model(tiny)) == 2 * L * K * Dh * 4
+  tiny.simulator.kv_dtype = "int8"
+  assert floor.kv_bytes_per_slot(ap.simulator_model(tiny)) == 2 * L * K * (Dh + 4)

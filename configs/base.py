@@ -55,6 +55,12 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   # Appended token counts are padded up to one of these (one compiled program each); the largest is
   # also the chunk a long prefill is cut into. Policy appends: user turns (~16-64 tokens), prefills.
   c.policy.append_buckets = (16, 64, 256, 1024)
+  # A decode runs in calls of decode_segment tokens, each attending a window just past what its rows
+  # can reach: powers of two up to window_step, then its multiples (one compiled program each).
+  # Cost follows the filled cache (~1.05x) instead of the next power of two above it plus the whole
+  # budget (~1.3x); 0 and 0 = one call a turn, power-of-two windows (sampling/sampler.py).
+  c.policy.decode_segment = 128
+  c.policy.window_step = 1024
   c.policy.think = think
   c.policy.keep_thoughts = False     # think mode: earlier thoughts are dropped from later turns
   c.policy.max_new_tokens = 1024     # per turn (the reference allows 5,000)
@@ -87,6 +93,8 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.simulator.max_context = 16384
   # Simulator appends are a policy reply plus an instruction, ~150-700 tokens: finer buckets there.
   c.simulator.append_buckets = (64, 128, 256, 512, 1024)
+  c.simulator.decode_segment = 128   # as policy.decode_segment / window_step
+  c.simulator.window_step = 1024
   c.simulator.max_new_tokens = 512
   c.simulator.temperature = 0.7
   c.simulator.top_p = 0.9

@@ -58,6 +58,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.policy.remat = "none"
   c.policy.max_context = 16384       # KV slots per dialogue: system prompt + 9 turns, thoughts dropped
   c.policy.append_buckets = (16, 64, 256, 1024)  # padded append lengths (see configs/base.py)
+  c.policy.decode_segment = 128      # decode calls and their windows (see configs/base.py)
+  c.policy.window_step = 1024
   c.policy.think = args.get("think", "true") == "true"
   c.policy.keep_thoughts = False     # think mode: earlier thoughts are dropped from later turns
   # The training prompt, for eval.policy_prompt="training" ("project" | "reference", configs/base.py).
@@ -80,6 +82,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.simulator.style = args.get("simulator", "vanilla")
   c.simulator.max_context = 20480    # persona + background, then ~1.3k tokens per turn for 9 turns
   c.simulator.append_buckets = (64, 128, 256, 512, 1024)
+  c.simulator.decode_segment = 128
+  c.simulator.window_step = 1024
   c.simulator.max_new_tokens = 512
   c.simulator.temperature = 0.7
   c.simulator.top_p = 0.9

@@ -154,7 +154,8 @@ def policy_sampler(model, chat: ChatTokens, policy: PolicySpec, mesh) -> Sampler
   check_context(model.config.max_position_embeddings, policy.max_context,
                 "config.policy.max_context")
   return Sampler(model, max_len=policy.max_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
-                 append_buckets=policy.append_buckets, mesh=mesh)
+                 append_buckets=policy.append_buckets, mesh=mesh,
+                 decode_segment=policy.decode_segment, window_step=policy.window_step)
 
 
 def simulator_config(sim: SimulatorSpec) -> Qwen2Config:
@@ -171,8 +172,10 @@ def simulator_mesh(sim: SimulatorSpec, train: MeshConfig, train_mesh) -> tuple[o
   without a model has none."""
   if sim.backend != "model":
     return None, "no model"
-  return decode_mesh(sim.mesh, "simulator.mesh", simulator_config(sim), train, train_mesh,
-                     param_dtype_of(sim.dtype), "simulator")
+  # Its layout's memory check counts the weights as stored: int8 weights take a byte each.
+  stored = jnp.int8 if sim.weight_dtype == "int8" else param_dtype_of(sim.dtype)
+  return decode_mesh(sim.mesh, "simulator.mesh", simulator_config(sim), train, train_mesh, stored,
+                     "simulator")
 
 
 def simulator_backend(sim: SimulatorSpec, mesh, *, seed: int, share_prefix: bool = True,
@@ -197,6 +200,7 @@ def simulator_backend(sim: SimulatorSpec, mesh, *, seed: int, share_prefix: bool
   chat = ChatTokens(load_tokenizer(path))
   sampler = Sampler(model, max_len=sim.max_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
                     append_buckets=sim.append_buckets, mesh=mesh,
+                    decode_segment=sim.decode_segment, window_step=sim.window_step,
                     cache_dtype=jnp.int8 if sim.kv_dtype == "int8" else None)
   return ModelBackend(sampler, nnx.state(model), chat, max_new_tokens=sim.max_new_tokens,
                       sampling=SamplingParams.make(sim.temperature, sim.top_p, sim.top_k),

@@ -64,10 +64,12 @@ class StatedLengths:
 class _Cache:
   """One row's lengths in a sampler's cache, emitting the calls the sampler would make."""
 
-  def __init__(self, role: str, max_len: int, buckets, calls: Calls):
-    self.role, self.max_len, self.calls = role, max_len, calls
-    self.buckets = tuple(sorted({min(b, max_len) for b in buckets}))
-    self.windows = window_buckets(max_len)
+  def __init__(self, role: str, model: ml_collections.ConfigDict, calls: Calls):
+    self.role, self.max_len, self.calls = role, model.max_context, calls
+    self.buckets = tuple(sorted({min(b, self.max_len) for b in model.append_buckets}))
+    self.windows = window_buckets(self.max_len)
+    self.segment = model.get("decode_segment", 0)
+    self.decode_windows = window_buckets(self.max_len, step=model.get("window_step", 0))
     self.length = 0
 
   def _add(self, key: str, n: float) -> None:
@@ -84,7 +86,10 @@ class _Cache:
   def decode(self, tokens: int, max_new: int, reserve: int = 0) -> None:
     budget = max(min(max_new, self.max_len - reserve - self.length), 0)
     n = min(tokens, budget)
-    self._add(f"decode_steps/W{bucket(max(self.length + budget, 1), self.windows)}", n)
+    seg = min(self.segment or max_new, max_new)
+    for done in range(0, n, seg):  # `Sampler.decode`'s segments, each at its own window
+      reach = self.length + done + min(seg, budget - done)
+      self._add(f"decode_steps/W{bucket(max(reach, 1), self.decode_windows)}", min(seg, n - done))
     # Cache slots filled when each step reads it (the new token's included): the floor's KV bytes.
     self._add("decode_slots", n * self.length + n * (n + 1) // 2)
     self.length += n
@@ -135,10 +140,10 @@ def stated_calls(config: ml_collections.ConfigDict, lengths: StatedLengths, mesh
   """The calls of a step in which every dialogue has `lengths` (one row stands for all), each
   sampler call repeated for every wave of dialogues (`waves`)."""
   calls: Calls = {}
-  policy = _Cache("policy", config.policy.max_context, config.policy.append_buckets, calls)
+  policy = _Cache("policy", config.policy, calls)
   samples = _policy_turns(config, lengths, policy)
   if config.simulator.backend == "model":
-    sim = _Cache("simulator", config.simulator.max_context, config.simulator.append_buckets, calls)
+    sim = _Cache("simulator", config.simulator, calls)
     _simulator_turns(config, lengths, sim)
   repeat = waves(config)
   calls = {key: n * repeat for key, n in calls.items()}

@@ -12,6 +12,13 @@ checked inside the loop with traced tables.
 Static shapes keep compiles bounded: appended lengths are padded to `append_buckets`, and attention
 reads only a window of the cache bucketed to a power of two >= the longest row, so cost follows the
 filled length rather than the preallocated maximum. Sampling settings are traced (never recompile).
+
+A long decode may run in segments of `decode_segment` tokens, each call attending a window that
+covers only what its rows can reach by its end, from `decode_windows` (powers of two, then steps of
+`window_step`): a 512-token simulator turn late in a 16k dialogue then reads ~1.05x its filled cache,
+not the next power of two above its length plus its whole budget (~1.3x). The segments continue one
+stream: the step keys, stop-rule progress and per-row budgets carry over, so the tokens equal one
+call's (up to the float summation order of a wider window's masked slots).
 """
 from __future__ import annotations
 
@@ -43,11 +50,13 @@ def bucket(n: int, buckets: Sequence[int]) -> int:
   raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
 
 
-def window_buckets(max_len: int, min_window: int = 64) -> tuple[int, ...]:
+def window_buckets(max_len: int, min_window: int = 64, step: int = 0) -> tuple[int, ...]:
+  """Attention windows: powers of two from min_window, then (step > 0) multiples of `step` once the
+  power of two reaches it, capped by max_len."""
   out, w = [], min_window
   while w < max_len:
     out.append(w)
-    w *= 2
+    w = (w // step + 1) * step if step and 2 * w > step else 2 * w
   return tuple(out) + (max_len,)
 
 
@@ -101,6 +110,40 @@ class DecodeState:
                         rule_stopped=None if self.rules is None else host_array(self.rules.hit))
 
 
+@dataclasses.dataclass
+class _Collected:
+  """A decode's host results gathered over its segments (each row's tokens after its earlier ones)."""
+  tokens: np.ndarray
+  sample_logp: np.ndarray
+  model_logp: np.ndarray
+  count: np.ndarray
+  stopped: np.ndarray
+  rule_stopped: np.ndarray | None = None
+
+  @staticmethod
+  def empty(B: int, N: int, pad_id: int) -> "_Collected":
+    return _Collected(np.full((B, N), pad_id, np.int32), np.zeros((B, N), np.float32),
+                      np.zeros((B, N), np.float32), np.zeros(B, np.int32), np.zeros(B, bool))
+
+  def add(self, part: DecodeResult) -> None:
+    N = self.tokens.shape[1]
+    for b in np.nonzero(part.num_tokens)[0]:
+      at, n = self.count[b], min(part.num_tokens[b], N - self.count[b])
+      for mine, theirs in ((self.tokens, part.tokens), (self.sample_logp, part.sample_logp),
+                           (self.model_logp, part.model_logp)):
+        mine[b, at:at + n] = theirs[b, :n]
+    self.count = self.count + part.num_tokens
+    self.stopped = self.stopped | part.stopped
+    if part.rule_stopped is not None:
+      self.rule_stopped = part.rule_stopped if self.rule_stopped is None \
+          else self.rule_stopped | part.rule_stopped
+
+  def result(self, cache: KVCache, logits) -> DecodeResult:
+    return DecodeResult(tokens=self.tokens, num_tokens=self.count, sample_logp=self.sample_logp,
+                        model_logp=self.model_logp, stopped=self.stopped, cache=cache,
+                        logits=logits, rule_stopped=self.rule_stopped)
+
+
 def _append_fn(graphdef, params, cache: KVCache, tokens_BxT, num_new_B, prev_logits_BxV, *, window):
   model: Qwen2 = nnx.merge(graphdef, params)
   T = tokens_BxT.shape[1]
@@ -125,15 +168,18 @@ def _step_key(rng: jax.Array, step: jax.Array) -> jax.Array:
 
 
 def _decode_fn(graphdef, params, cache: KVCache, logits_BxV, active_B, budget_B, stop_ids, rng,
-               sampling: SamplingParams, rules: StopTables | None = None, *, window, max_new,
+               sampling: SamplingParams, rules: StopTables | None = None,
+               rule_state: StopState | None = None, first_step=0, *, window, max_new,
                pad_id) -> DecodeState:
+  """Up to max_new tokens per active row. A later segment of one decode passes the rules' progress
+  so far (`rule_state`) and how many steps came before (`first_step`: its step keys go on from there)."""
   model: Qwen2 = nnx.merge(graphdef, params)
 
   def cond(s: DecodeState):
     return (s.step < max_new) & ~jnp.all(s.done)
 
   def body(s: DecodeState) -> DecodeState:
-    tok, slp, mlp = sample(s.logits, _step_key(rng, s.step), sampling)
+    tok, slp, mlp = sample(s.logits, _step_key(rng, first_step + s.step), sampling)
     live = ~s.done
     tok = jnp.where(live, tok, pad_id)
     col = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x[:, None].astype(buf.dtype),
@@ -153,6 +199,8 @@ def _decode_fn(graphdef, params, cache: KVCache, logits_BxV, active_B, budget_B,
 
   start = DecodeState.start(cache, logits_BxV, active_B, budget_B, max_new=max_new, pad_id=pad_id,
                             rules=rules)
+  if rule_state is not None:
+    start = dataclasses.replace(start, rules=rule_state)
   # A finished row keeps its logits, so each row ends with those after its last cached token.
   return jax.lax.while_loop(cond, body, start)
 
@@ -182,9 +230,12 @@ class Sampler:
   def __init__(self, model: Qwen2, *, max_len: int, stop_ids: Sequence[int], pad_id: int = 0,
                append_buckets: Sequence[int] = DEFAULT_APPEND_BUCKETS, min_window: int = 64,
                mesh: jax.sharding.Mesh | None = None, cache_dtype=None,
-               cache_layout: Layout | None = None):
+               cache_layout: Layout | None = None, decode_segment: int = 0, window_step: int = 0):
     if max_len < 1 or min_window < 1:
       raise ValueError(f"max_len ({max_len}) and min_window ({min_window}) must be >= 1")
+    if decode_segment < 0 or window_step < 0:
+      raise ValueError(f"decode_segment ({decode_segment}) and window_step ({window_step}) must be "
+                       ">= 0 (0 = one call per decode, power-of-two windows)")
     self.graphdef = nnx.graphdef(model)
     self.config = model.config
     self.max_len = max_len
@@ -196,7 +247,9 @@ class Sampler:
     self.pad_id = pad_id
     # No append can outgrow the cache, so buckets past max_len collapse into max_len.
     self.append_buckets = tuple(sorted({min(b, max_len) for b in append_buckets}))
-    self.windows = window_buckets(max_len, min_window)
+    self.windows = window_buckets(max_len, min_window)  # appends: few programs per chunk size
+    self.decode_windows = window_buckets(max_len, min_window, window_step)
+    self.decode_segment = decode_segment
     self.mesh = mesh
     self.cache_dtype = cache_dtype or model.dtype
     self.cache_layout = cache_layout or default_layout()  # pass "slots_major" when compiling for TPU
@@ -341,14 +394,35 @@ class Sampler:
     budget = np.full(B, max_new_tokens) if budget is None else np.minimum(budget, max_new_tokens)
     room = np.maximum(self.max_len - reserve - lengths, 0)  # never write past the cache
     budget = np.minimum(budget, room).astype(np.int32)
-    window = bucket(int(max((lengths + np.where(active, budget, 0)).max(), 1)), self.windows)
     if stop_rules is not None:
       stop_rules.check(B, self.config.vocab_size)
     tables = None if stop_rules is None else stop_rules.device()
-    with self._on_mesh():
-      final: DecodeState = self._decode(
-          self.graphdef, params, cache, logits, jnp.asarray(active), jnp.asarray(budget), self.stop_ids,
-          self._here(rng), sampling, tables, window=window, max_new=max_new_tokens, pad_id=self.pad_id)
-    result = final.result()
-    self.calls.decode(window, int(result.num_tokens.max(initial=0)))
-    return result
+    rule_state = None if tables is None else jax.tree.map(np.asarray, tables.start())
+    seg = min(self.decode_segment or max_new_tokens, max_new_tokens)
+    out = _Collected.empty(B, max_new_tokens, self.pad_id)
+    live = active & (budget > 0)
+    rng = self._here(rng)
+    first = 0
+    while True:
+      left = np.where(live, budget - out.count, 0)  # each row's budget still unspent
+      # The window covers every slot a live row can reach by the end of this segment.
+      window = bucket(int(max((lengths + out.count + np.minimum(left, seg)).max(), 1)),
+                      self.decode_windows)
+      with self._on_mesh():
+        final: DecodeState = self._decode(
+            self.graphdef, params, cache, logits, jnp.asarray(live), jnp.asarray(left),
+            self.stop_ids, rng, sampling, tables,
+            None if rule_state is None else jax.tree.map(jnp.asarray, rule_state),
+            np.int32(first), window=window, max_new=seg, pad_id=self.pad_id)
+      part = final.result()
+      self.calls.decode(window, int(part.num_tokens.max(initial=0)))
+      cache, logits = part.cache, part.logits
+      out.add(part)
+      first += seg
+      # A row goes on where this segment cut it short: neither stopped nor out of budget.
+      live = live & ~part.stopped & (out.count < budget)
+      if part.rule_stopped is not None:
+        live &= ~part.rule_stopped
+        rule_state = jax.tree.map(host_array, final.rules)
+      if not live.any() or first >= max_new_tokens:
+        return out.result(cache, logits)

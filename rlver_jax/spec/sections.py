@@ -61,6 +61,12 @@ def _check_buckets(key: str, buckets: tuple) -> None:
                       "e.g. (16, 64, 256, 1024)")
 
 
+def _check_windows(section: str, decode_segment, window_step) -> None:
+  for key, value in (("decode_segment", decode_segment), ("window_step", window_step)):
+    require(f"{section}.{key}", value, _is_int(value) and value >= 0,
+            "an integer >= 0 (0 = one decode call per turn / power-of-two windows)")
+
+
 # -- the sections ---------------------------------------------------------------------------------
 
 
@@ -74,6 +80,8 @@ class PolicySpec:
   remat: str = "full"
   max_context: int = 8192
   append_buckets: tuple[int, ...] = (16, 64, 256, 1024)
+  decode_segment: int = 0        # tokens a decode call runs before its window is resized; 0 = a turn
+  window_step: int = 0           # decode windows past this size grow by it; 0 = powers of two
   think: bool = False
   keep_thoughts: bool = False
   max_new_tokens: int = 1024
@@ -95,6 +103,7 @@ class PolicySpec:
             "a tuple of non-empty strings")
     _check_sampling("policy", self.temperature, self.top_p, self.top_k)
     _check_buckets("policy.append_buckets", self.append_buckets)
+    _check_windows("policy", self.decode_segment, self.window_step)
 
   @property
   def reshapes_sampling(self) -> bool:
@@ -120,6 +129,8 @@ class SimulatorSpec:
   style: str = "vanilla"
   max_context: int = 16384
   append_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024)
+  decode_segment: int = 0
+  window_step: int = 0
   max_new_tokens: int = 512
   temperature: float = 0.7
   top_p: float = 0.9
@@ -177,6 +188,7 @@ class SimulatorSpec:
     _check_emotion("simulator.start_emotion", self.start_emotion)
     _check_sampling("simulator", self.temperature, self.top_p, self.top_k)
     _check_buckets("simulator.append_buckets", self.append_buckets)
+    _check_windows("simulator", self.decode_segment, self.window_step)
     if self.backend == "http":
       if not self.http_base_url or not self.http_model:
         raise ConfigError("config.simulator.http_base_url and config.simulator.http_model are "

@@ -174,6 +174,23 @@ def test_stated_calls_follow_the_lockstep_rollout_by_hand():
     step_calls.StatedLengths(0, 1, 1, 1, 1, 1, 1, 1)
 
 
+def test_stated_calls_follow_decode_segments_by_hand():
+  """Policy decodes in segments of 16 tokens, windows past 128 in steps of 128 (`Sampler.decode`)."""
+  lengths = step_calls.StatedLengths(turns=2, policy_tokens=32, reply_tokens=20, user_tokens=30,
+                                     simulator_tokens=40, policy_prompt=100, simulator_prompt=120,
+                                     instruction_tokens=30)
+  config = _config()
+  whole = step_calls.stated_calls(config, lengths)
+  config.policy.decode_segment, config.policy.window_step = 16, 128
+  calls = step_calls.stated_calls(config, lengths)
+  # From 100: 16 steps reaching 116 (window 128), 16 reaching 132 (256); from 151: 167, 183 (256).
+  assert calls["policy/decode_steps/W128"] == 16 and calls["policy/decode_steps/W256"] == 48
+  assert whole["policy/decode_steps/W256"] == 64 and "policy/decode_steps/W128" not in whole
+  # Nothing else moves: the same filled slots (the floor), appends and simulator calls.
+  same = lambda c: {k: n for k, n in c.items() if not k.startswith("policy/decode_steps")}
+  assert same(calls) == same(whole)
+
+
 def test_stated_calls_follow_continuous_batching_by_hand():
   """6 dialogues (3 groups of 2) on 4 rows: 2 groups at once, all of one length, so their rows free
   up together and the third group runs alone after them: every sampler call twice (at 4 rows)."""

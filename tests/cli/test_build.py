@@ -1,6 +1,7 @@
 """The trainer's samplers take their append buckets from the spec, and bad buckets are one clear
 ConfigError naming the key; the run spec refuses settings the algorithm would ignore."""
 import importlib.util
+import math
 import pathlib
 
 import jax.numpy as jnp
@@ -9,6 +10,8 @@ import pytest
 from rlver_jax import build
 from rlver_jax.models import load_pretrained
 from rlver_jax.models.embedded import embedded_model_dir
+from rlver_jax.models.qwen2 import param_specs
+from rlver_jax.parallel.sharding import MeshConfig, make_mesh
 from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
 from rlver_jax.spec import EvaluationSpec, RunSpec
 
@@ -50,9 +53,40 @@ def test_samplers_use_the_configured_buckets():
   model, _ = load_pretrained(path, dtype=jnp.float32)
   chat = ChatTokens(load_tokenizer(path))
   spec = _spec(config)
-  assert build.policy_sampler(model, chat, spec.policy, mesh=None).append_buckets == (8, 24, 96)
+  config.policy.decode_segment, config.policy.window_step = 8, 256
+  spec = _spec(config)
+  policy = build.policy_sampler(model, chat, spec.policy, mesh=None)
+  assert policy.append_buckets == (8, 24, 96)
+  assert policy.decode_segment == 8 and policy.decode_windows == (64, 128, 256, 512, 768, 1024)
   backend = build.simulator_backend(spec.simulator, mesh=None, seed=spec.seed)
   assert backend.sampler.append_buckets == (32, 48, config.simulator.max_context)
+  assert backend.sampler.decode_segment == config.simulator.decode_segment == 128
+
+
+@pytest.mark.parametrize("key, bad", [("decode_segment", -1), ("window_step", -3)])
+def test_bad_decode_segments_name_the_key(key, bad):
+  config = _config()
+  config.policy[key] = bad
+  with pytest.raises(build.ConfigError, match=rf"config\.policy\.{key}="):
+    _spec(config)
+
+
+def test_an_int8_simulators_layout_counts_its_weights_in_int8_bytes(monkeypatch):
+  """'auto' adds FSDP only when the weight shard would crowd the chip: int8 weights take half the
+  bytes, so a chip that needs FSDP 2 for the bf16 simulator holds the int8 one whole."""
+  config = _config()
+  train = MeshConfig(1, 8, 1)
+  model = build.simulator_config(_spec(config).simulator)
+  bf16_bytes = 2 * sum(math.prod(p.shape) for p in param_specs(model).values())
+  # SmolLM2's 3 kv heads allow no tensor split over 8 devices: the whole model on each chip.
+  monkeypatch.setattr(build, "_hbm_bytes", lambda: int(bf16_bytes / 0.35 * 0.75))
+  mesh = make_mesh(train)
+  layouts = {}
+  for weights in ("bf16", "int8"):
+    config.simulator.weight_dtype = weights
+    config.simulator.dtype = "bfloat16"
+    layouts[weights] = build.simulator_mesh(_spec(config).simulator, train, mesh)[1]
+  assert layouts == {"bf16": "data=4 fsdp=2 tensor=1 (auto)", "int8": "data=8 fsdp=1 tensor=1 (auto)"}
 
 
 def test_contexts_past_the_checkpoints_trained_length_are_refused(monkeypatch):

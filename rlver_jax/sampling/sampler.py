@@ -397,6 +397,8 @@ class Sampler:
     if stop_rules is not None:
       stop_rules.check(B, self.config.vocab_size)
     tables = None if stop_rules is None else stop_rules.device()
+    # The rules' progress goes in from the first segment on, and as host arrays each time, so that
+    # every segment of a window calls the same compiled program (a tiny [B, width] state).
     rule_state = None if tables is None else jax.tree.map(np.asarray, tables.start())
     seg = min(self.decode_segment or max_new_tokens, max_new_tokens)
     out = _Collected.empty(B, max_new_tokens, self.pad_id)

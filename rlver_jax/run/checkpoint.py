@@ -87,6 +87,8 @@ class Checkpointer:
         logging.debug("restoring step %d", step, exc_info=e)
         failed.append((step, describe(e)))
         continue
+      if failed:  # the exceptions are gone: what their reads left is collected under the filters
+        library_noise.collect_restore_debris()
       for bad, why in failed:
         moved = on_process_zero(f"moving checkpoint {bad} aside", lambda: self._move_aside(bad))
         logging.warning("checkpoint of step %d does not restore (%s): moved to %s; resuming from "
@@ -97,6 +99,7 @@ class Checkpointer:
       return state, meta
     if not failed:
       return None
+    library_noise.collect_restore_debris()
     raise NoRestorableCheckpoint(no_restorable_line(str(self.directory), failed))
 
   def _move_aside(self, step: int) -> epath.Path:

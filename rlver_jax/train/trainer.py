@@ -28,32 +28,32 @@ from rlver_jax.rl.batch import UpdateBatch, to_device
 from rlver_jax.rl.pack import Packed, pack_step
 from rlver_jax.rl.prepare import batch_metrics, kl_penalised_rewards, reference_kl
 from rlver_jax.rl.rollout_correction import mismatch_metrics
-from rlver_jax.rl.update import Updater, make_optimizer, token_logprobs_and_entropy, token_values
+from rlver_jax.rl.update import token_logprobs_and_entropy, token_values
 from rlver_jax.run import provenance
 from rlver_jax.run.checkpoint import Checkpointer, abstract_like
 from rlver_jax.run.metrics import MetricsWriter
 from rlver_jax.run.saved_config import (check_inputs_on_every_host, check_shared_workdir,
                                         check_workdir_config, config_json, write_workdir_config)
 from rlver_jax.run.wandb_writer import WandbOptions
-from rlver_jax.sampling.decode_copy import DecodeCopy
 from rlver_jax.spec import RunSpec
 from rlver_jax.train.dynamic_sampling import Round, StepRollout, fill_informative
 from rlver_jax.train.call_metrics import take_sampler_calls, update_calls
+from rlver_jax.train.parts import RunParts, assemble
 
 
 class Trainer:
   """Holds the models, optimizers, samplers and the run's state; `run` drives the loop."""
 
-  def __init__(self, spec: RunSpec, workdir: str):
+  def __init__(self, spec: RunSpec, workdir: str, parts: RunParts | None = None):
     """Checks what needs the workdir and the inputs (shared workdir, files on every host, the saved
-    config), then loads the models; config.json is written only once all of that worked."""
+    config), then assembles the run's parts (`train.parts`; or takes `parts` already assembled for
+    this spec); config.json is written only once all of that worked."""
     self.spec = spec
     self.algorithm = spec.algorithm
     self.workdir = workdir
     check_shared_workdir(workdir)
     check_inputs_on_every_host(build.input_paths(spec))
     check_workdir_config(spec.source, workdir)
-    self.mesh = build.mesh_from(spec.mesh)
     profiles = build.profiles_from(spec.data.profiles)
     start = provenance.check(spec, workdir, profiles)
     self.train_profiles, self.holdout = split_holdout(profiles, spec.data.num_holdout, spec.seed)
@@ -62,8 +62,14 @@ class Trainer:
                               f"profiles out of {len(profiles)}")
     self.profile_sampler = ProfileSampler(self.train_profiles, seed=spec.seed,
                                           sampling=spec.data.sampling)
+    self.parts = parts if parts is not None else assemble(spec)
+    p = self.parts
+    self.mesh, self.layouts = p.mesh, p.layouts
+    self.policy, self.chat, self.policy_path = p.policy, p.chat, p.policy_path
+    self.decode_copy, self.sampler, self.backend = p.decode_copy, p.sampler, p.backend
+    self.policy_up, self.critic, self.critic_up = p.policy_up, p.critic, p.critic_up
     with jax.set_mesh(self.mesh):
-      self._load_models()
+      self._init_state()
     self.rollout_params = self.decode_copy.refresh(self.state["policy"])
     # Replicated over the mesh like every other state leaf, so a restored key lives on the same devices.
     self.state["rng"] = global_array(jax.random.key_data(jax.random.key(spec.seed)),
@@ -82,34 +88,15 @@ class Trainer:
     write_workdir_config(spec.source, workdir)  # only now: every input above was found and loaded
     provenance.append(workdir, {**start, "layouts": self.layouts})
 
-  def _load_models(self) -> None:
-    """Policy, its sampler, the simulator backend, the updaters; the critic if the algorithm has one
-    and a frozen reference copy of the policy if a KL term needs it."""
-    spec = self.spec
-    self.policy, self.chat, self.policy_path = build.load_policy(spec.policy, self.mesh)
-    # Training stays in config.mesh; each decoding model gets its own layout on the same devices.
-    self.layouts = {"train": build.train_layout(spec.mesh, self.mesh)}
-    rollout_mesh, self.layouts["policy_rollout"] = build.decode_mesh(
-        spec.rollout.policy_mesh, "rollout.policy_mesh", self.policy.config, spec.mesh, self.mesh,
-        self.policy.dtype, "policy rollout")
-    self.decode_copy = DecodeCopy(nnx.state(self.policy, nnx.Param), rollout_mesh, self.policy.dtype)
-    self.sampler = build.policy_sampler(self.policy, self.chat, spec.policy, rollout_mesh)
-    sim_mesh, self.layouts["simulator"] = build.simulator_mesh(spec.simulator, spec.mesh, self.mesh)
-    self.backend = build.simulator_backend(spec.simulator, sim_mesh, seed=spec.seed,
-                                           share_prefix=spec.rl.share_prefix,
-                                           rows=spec.rollout.rows)
-    loss_cfg = spec.loss_config()
-    self.policy_up = Updater(self.policy, make_optimizer(spec.optim.optim_config()), "policy", loss_cfg)
+  def _init_state(self) -> None:
+    """The trained parameters and their optimizer states (the critic's if there is one), and a
+    frozen reference copy of the policy if a KL term needs it."""
     self.state: dict[str, Any] = {"policy": nnx.state(self.policy, nnx.Param)}
     self.state["policy_opt"] = self.policy_up.init(self.state["policy"])
-    self.critic = None
-    if self.algorithm.has_critic:
-      self.critic = build.load_critic(spec.critic, spec.policy, self.mesh, self.policy_path)
-      self.critic_up = Updater(self.critic, make_optimizer(spec.optim.optim_config(critic=True)),
-                               "value", loss_cfg)
+    if self.critic is not None:
       self.state["critic"] = nnx.state(self.critic, nnx.Param)
       self.state["critic_opt"] = self.critic_up.init(self.state["critic"])
-    self.ref = jax.tree.map(jnp.copy, self.state["policy"]) if spec.rl.kl_coef > 0 else None
+    self.ref = jax.tree.map(jnp.copy, self.state["policy"]) if self.spec.rl.kl_coef > 0 else None
 
   # -- state -------------------------------------------------------------------------------------
 

@@ -225,7 +225,8 @@ def batch_layout(config: ml_collections.ConfigDict, mesh: Mesh | None = None) ->
   return BatchLayout.for_step(num_samples(config), config.policy.max_context,
                               micro_batch_rows(config, mesh),
                               mini_batch_rows=RunSpec.from_config(config).rl.rows_per_mini_batch,
-                              mini_batches=config.rl.mini_batches)
+                              mini_batches=config.rl.mini_batches,
+                              shards=1 if mesh is None else batch_shards(mesh))
 
 
 def mini_batches(config: ml_collections.ConfigDict) -> int:

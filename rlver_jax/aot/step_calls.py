@@ -18,6 +18,7 @@ from typing import Iterator
 import ml_collections
 
 from rlver_jax.aot import programs as ap
+from rlver_jax.parallel.sharding import batch_shards
 from rlver_jax.rl.batch import BatchLayout
 from rlver_jax.sampling.sampler import bucket, window_buckets
 from rlver_jax.spec import RunSpec
@@ -151,7 +152,8 @@ def stated_calls(config: ml_collections.ConfigDict, lengths: StatedLengths, mesh
   layout = BatchLayout.for_step(len(samples) * ap.num_dialogues(config), max(samples),
                                 ap.micro_batch_rows(config, mesh),
                                 mini_batch_rows=spec.rl.rows_per_mini_batch,
-                                mini_batches=config.rl.mini_batches)
+                                mini_batches=config.rl.mini_batches,
+                                shards=1 if mesh is None else batch_shards(mesh))
   M, B, T = layout.step_shape
   passes = 1 + (config.rl.kl_coef > 0) + (config.algo == "ppo")
   calls.update({"update/micro_batches": float(M * config.rl.epochs), "update/rows": float(B),

@@ -58,6 +58,24 @@ def packed_rows(num_samples: int, micro_rows: int, mini_batches: int, mini_batch
   return shape_bucket(need, micro_rows * mini_batches)
 
 
+def fitted_micro_rows(micro_rows: int, shards: int, num_samples: int, mini_batches: int,
+                      mini_batch_rows: int) -> int:
+  """`micro_rows` (rl.micro_batch_size on each of `shards` batch shards), or fewer where one
+  mini-batch holds fewer samples than that: the rest would be padding rows, which carry no loss
+  but cost the update and the scoring passes as much as real ones (`ppo_think` on v5p-64: 32-row
+  mini-batches in 128-row micro-batches, 3/4 of the update's work on padding). A bucketed multiple
+  of the shards (`shape_bucket`), so the programs still compile O(log) times. Which samples share a
+  mini-batch does not change: it is fixed by `mini_batch_rows`, or there is one mini-batch; a fixed
+  count of several (`mini_batch_rows` 0) fills micro-batches in order, so theirs stay as they are."""
+  if mini_batch_rows > 0 and mini_batches > 1:
+    per_mini_batch = mini_batch_rows
+  elif mini_batches == 1:
+    per_mini_batch = num_samples
+  else:
+    return micro_rows
+  return min(micro_rows, shape_bucket(per_mini_batch, shards))
+
+
 class BatchLayout(NamedTuple):
   """The padded sizes of one step's batch and where each sample goes in it.
 
@@ -80,11 +98,13 @@ class BatchLayout(NamedTuple):
 
   @classmethod
   def for_step(cls, num_samples: int, longest: int, micro_rows: int, *, mini_batch_rows: int,
-               mini_batches: int) -> BatchLayout:
+               mini_batches: int, shards: int) -> BatchLayout:
     """`of`, with a step's mini-batch count (`mini_batch_count`: `mini_batches` is the fixed count
-    used when `mini_batch_rows` is 0)."""
-    return cls.of(num_samples, longest, micro_rows,
-                  mini_batches=mini_batch_count(num_samples, mini_batch_rows, mini_batches),
+    used when `mini_batch_rows` is 0) and micro-batches no larger than a mini-batch needs
+    (`fitted_micro_rows`; `shards`: the batch shards that `micro_rows` spans)."""
+    count = mini_batch_count(num_samples, mini_batch_rows, mini_batches)
+    micro_rows = fitted_micro_rows(micro_rows, shards, num_samples, count, mini_batch_rows)
+    return cls.of(num_samples, longest, micro_rows, mini_batches=count,
                   mini_batch_rows=mini_batch_rows)
 
   @property

@@ -49,12 +49,13 @@ def pack(dialogues: Sequence[PackableDialogue], micro_rows: int, pad_id: int, *,
 
 
 def pack_step(dialogues: Sequence[PackableDialogue], micro_rows: int, pad_id: int, *,
-              mini_batch_rows: int, mini_batches: int) -> Packed:
-  """The samples of `dialogues` in the step's mini-batch count (`BatchLayout.for_step`)."""
+              mini_batch_rows: int, mini_batches: int, shards: int) -> Packed:
+  """The samples of `dialogues` in the step's mini-batch count (`BatchLayout.for_step`;
+  `micro_rows` spans `shards` batch shards)."""
   num, longest = _sizes(dialogues)
   return pack_into(dialogues, BatchLayout.for_step(num, longest, micro_rows,
                                                    mini_batch_rows=mini_batch_rows,
-                                                   mini_batches=mini_batches), pad_id)
+                                                   mini_batches=mini_batches, shards=shards), pad_id)
 
 
 def _sizes(dialogues: Sequence[PackableDialogue]) -> tuple[int, int]:

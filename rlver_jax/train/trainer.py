@@ -167,8 +167,9 @@ class Trainer:
     rl = self.spec.rl
     # micro_batch_size counts rows per batch shard, so every device gets its own rows (a global
     # micro-batch smaller than the shard count would be replicated: the same rows on every device).
-    p = pack_step(dialogues, rl.micro_batch_size * batch_shards(self.mesh), self.chat.pad_id,
-                  mini_batch_rows=rl.rows_per_mini_batch, mini_batches=rl.mini_batches)
+    shards = batch_shards(self.mesh)
+    p = pack_step(dialogues, rl.micro_batch_size * shards, self.chat.pad_id,
+                  mini_batch_rows=rl.rows_per_mini_batch, mini_batches=rl.mini_batches, shards=shards)
     device = lambda x: to_device(x.reshape(p.layout.step_shape), self.mesh)
     tokens, seg = device(p.tokens), device(p.segment_ids)
     old_logp = self._logp_fn(self.state["policy"], tokens, seg)

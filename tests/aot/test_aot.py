@@ -241,9 +241,12 @@ def test_resident_state_counts_per_device_shards(tiny_preset):
   assert ap.num_dialogues(config) == 2 and ap.rollout_rows(config, mesh) == 4
   assert config.simulator.dtype == "float32"
   assert update["simulator KV cache"] == 2 * 1 * 1 * 256 * c.num_kv_heads * c.head_dim * 4 + 1 * 4
-  # The update's micro-batch has micro_batch_size rows per batch shard: 2 x 4 on 4 fsdp devices.
+  # The update's micro-batch has micro_batch_size (2) rows per batch shard, but no more than a
+  # mini-batch needs: its 2 rows (2 dialogues, 2 turns: mini-batches of 2 rows) take one row on
+  # each of the 4 fsdp devices, not 2 x 4.
   batch = ap.abstract_batch(config, mesh).tokens
-  assert batch.shape == (1, 2 * 4, 256) and batch.sharding.shard_shape(batch.shape) == (1, 2, 256)
+  assert ap.mini_batches(config) == 2
+  assert batch.shape == (1, 4, 256) and batch.sharding.shard_shape(batch.shape) == (1, 1, 256)
 
 
 def test_sampler_programs_compile_the_tpu_cache_layout(tiny_preset):

@@ -9,7 +9,8 @@ import pytest
 import tiny_world
 from rlver_jax.train import loop as train
 from rlver_jax.parallel.sharding import host_array
-from rlver_jax.rl.batch import UpdateBatch, mini_batch_count, packed_rows
+from rlver_jax.rl import batch as batch_module
+from rlver_jax.rl.batch import BatchLayout, UpdateBatch, mini_batch_count, packed_rows
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,58 @@ def test_mini_batch_arithmetic():
   assert mini_batch_count(50, 0, 2) == 2  # count-based
   # Every mini-batch but the last holds R = 4 rows: 3 x 8-row micro-batches give room for 3 x 4.
   assert packed_rows(9, 8, 3, 4) == 24 and packed_rows(9, 1, 3, 4) == 12
+
+
+def test_micro_batches_hold_no_more_rows_than_a_mini_batch_needs():
+  # ppo_think on v5p-64: 32 dialogues x 9 turns, mini-batches of 32 rows, 4 rows per device on 32
+  # devices. Unfitted, each 32-row mini-batch sat in a 128-row micro-batch (1,152 rows for 288).
+  layout = BatchLayout.for_step(288, 8192, 4 * 32, mini_batch_rows=32, mini_batches=1, shards=32)
+  assert (layout.micro_rows, layout.rows, layout.mini_batches) == (32, 288, 9)
+  assert layout.update_shape == (1, 32, 8192)
+  # On 16 devices the same mini-batch is 2 rows a device; on 8 it fills 4 a device, as configured.
+  assert BatchLayout.for_step(288, 8192, 4 * 16, mini_batch_rows=32, mini_batches=1,
+                              shards=16).micro_rows == 32
+  assert BatchLayout.for_step(288, 8192, 4 * 8, mini_batch_rows=32, mini_batches=1,
+                              shards=8).micro_rows == 32
+  # Larger mini-batches keep several micro-batches of the configured size (grpo_think: 128 rows).
+  assert BatchLayout.for_step(1152, 8192, 4 * 32, mini_batch_rows=128, mini_batches=1,
+                              shards=32).update_shape == (1, 128, 8192)
+  # One mini-batch of 10 samples on 8 shards: 16 rows (a bucketed multiple of 8), not 32.
+  assert BatchLayout.for_step(10, 64, 4 * 8, mini_batch_rows=0, mini_batches=1, shards=8).rows == 16
+  # A fixed count of several mini-batches fills micro-batches in order: its layout is kept.
+  assert BatchLayout.for_step(10, 64, 4 * 8, mini_batch_rows=0, mini_batches=2,
+                              shards=8).micro_rows == 32
+
+
+def test_a_fitted_micro_batch_trains_like_a_padded_one(world, tmp_path, monkeypatch):
+  """The padding rows the fitted layout drops carry no loss: the update is the same."""
+  config = tiny_world.training_config(world, "grpo", total_steps=1, **{"rl.micro_batch_size": 4})
+  trainer = tiny_world.trainer(config, str(tmp_path))
+  updated, shapes = {}, {}
+  with jax.set_mesh(trainer.mesh):
+    dialogues, _ = trainer.rollout(jax.random.key(3))
+    start = jax.tree.map(lambda x: x.copy(), trainer.state)
+    for kind in ("fitted", "padded"):
+      if kind == "padded":
+        monkeypatch.setattr(batch_module, "fitted_micro_rows", lambda micro_rows, *args: micro_rows)
+      trainer.state = jax.tree.map(lambda x: x.copy(), start)
+      batch, _ = trainer.make_batch(dialogues)
+      shapes[kind] = batch.tokens.shape[:2]
+      metrics = trainer.update(batch)
+      updated[kind] = ([np.asarray(x) for x in jax.tree.leaves(trainer.state["policy"])], metrics)
+  # 2 profiles x 8 = 16 rows, one mini-batch; 4 rows a device on 8 devices would be 32.
+  assert shapes == {"fitted": (1, 16), "padded": (1, 32)}
+  (fitted, m_fitted), (padded, m_padded) = updated["fitted"], updated["padded"]
+  assert np.isfinite(m_fitted["loss"]) and m_fitted["grad_norm"] > 0
+  np.testing.assert_allclose(m_fitted["loss"], m_padded["loss"], rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(m_fitted["grad_norm"], m_padded["grad_norm"], rtol=1e-5)
+  # Adam's first step is ~lr (3e-2) a parameter whatever the gradient's scale (which the loss and
+  # grad norm above pin down); float-summation differences move a near-zero gradient's step by up
+  # to ~2e-5, under 0.1% of a step.
+  for a, b in zip(fitted, padded):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+  assert any(not np.allclose(a, np.asarray(s)) for a, s in zip(fitted, jax.tree.leaves(start["policy"])))
+  trainer.checkpointer.close()
 
 
 def test_a_think_step_with_t_turns_makes_t_updates(world, tmp_path):

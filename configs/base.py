@@ -166,7 +166,9 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   # per turn. 0 = a fixed count of rl.mini_batches per step instead.
   c.rl.mini_batch_rows = -1
   c.rl.mini_batches = 1              # used when rl.mini_batch_rows = 0
-  c.rl.micro_batch_size = 4          # rows per batch shard (data x fsdp device); x shards = global
+  # Rows per batch shard (data x fsdp device), x shards = global; at most: a micro-batch holds no
+  # more rows than its mini-batch needs (rounded up to the shards), the rest would be padding.
+  c.rl.micro_batch_size = 4
   c.rl.grpo_mean_only = False        # Dr.GRPO: no division by the group std
   # GRPO only. Dynamic sampling (DAPO): drop groups whose advantages are all 0 and roll out up to
   # dynamic_sampling_max_rounds more rounds of profiles_per_step groups to refill the batch; slots

@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from rlver_jax.aot import step_calls, step_time
+from rlver_jax.aot import target as aot_target
+from rlver_jax.aot.report import run_layouts
 from rlver_jax.aot.chips import ChipSpec
 from rlver_jax.models import presets
-from rlver_jax.parallel.sharding import MeshConfig, make_mesh
 from rlver_jax.sampling.kv_cache import default_layout
 
 
@@ -62,8 +63,10 @@ def main():
   config = runpy.run_path("../configs/grpo_think.py")["get_config"]("runlocal")
   config.policy.preset = config.simulator.preset = "smollm2-135m"
   chip = ChipSpec("this CPU (measured)", matmul_flops(), read_bandwidth())
-  mesh = make_mesh(MeshConfig(), jax.devices("cpu")[:1])
-  model = step_time.CostModel(config, mesh, layout=default_layout("cpu"))
+  spec = aot_target.from_config(config)
+  # The run's layouts on one CPU device (all 1x1x1; 'auto' still decodes from a copy).
+  model = step_time.CostModel(spec, run_layouts(spec, jax.devices("cpu")[:1]),
+                              layout=default_layout("cpu"))
   calls, measured = step_calls.calls_from_metrics(args.metrics, args.step)
   phases = step_time.estimate(model, calls, chip)
   print(f"Command: `{command_line()}`\n")

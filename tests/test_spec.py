@@ -194,3 +194,15 @@ def test_policy_loss_and_rollout_correction_settings():
     rl(policy_loss="cispo", dual_clip=3.0)
   rl(policy_loss="gspo", dual_clip=3.0)  # the clipped surrogate on the sequence ratio: allowed
   assert dataclasses.replace(old, rl=rl(policy_loss="cispo")).loss_config().policy_loss == "cispo"
+
+
+def test_the_run_entry_points_take_the_spec_not_the_config_dict(tmp_path):
+  """Training and the Sentient evaluation read typed settings only; a ConfigDict passed by an older
+  notebook is refused at once, saying how to build the spec, before anything is written."""
+  from rlver_jax.evaluation import sentient
+  from rlver_jax.train import loop
+  with pytest.raises(TypeError, match=r"takes a RunSpec \(RunSpec\.from_config\(config\)\), not ConfigDict"):
+    loop.run(_config("base", "runlocal"), str(tmp_path / "run"))
+  with pytest.raises(TypeError, match=r"takes an EvaluationSpec .* not ConfigDict"):
+    sentient.run(_config("eval_sentient", "runlocal"), str(tmp_path / "eval"))
+  assert not list(tmp_path.iterdir())

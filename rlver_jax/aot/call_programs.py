@@ -10,38 +10,41 @@ Shape legend: B rows, T tokens, V vocabulary, W attended window.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh
 
 from rlver_jax.aot import programs as ap
+from rlver_jax.aot import target as aot_target
+from rlver_jax.aot.target import ModelShape
 from rlver_jax.rl.batch import UpdateBatch
 from rlver_jax.rl.update import token_logprobs_and_entropy
 from rlver_jax.sampling.strategies import SamplingParams
+from rlver_jax.spec import RunSpec
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplerShape:
   """A sampler program's static shape: the model, cache rows and slots, its layout."""
-  model: ml_collections.ConfigDict   # as `aot.programs.policy_model` / `simulator_model` give it
+  model: ModelShape   # as `aot.programs.policy_model` / `simulator_model` give it
   rows: int
   max_len: int
   max_new: int
   layout: str = ap.TPU_CACHE_LAYOUT
 
 
-def with_layers(model: ml_collections.ConfigDict, layers: int) -> ml_collections.ConfigDict:
-  """`model` (an aot model description) with `layers` layers of the same widths."""
-  out = copy.deepcopy(model)
-  with out.unlocked():
-    out.preset = f"{model.preset.partition(':')[0]}:{layers}"
-  return out
+def layers_preset(preset: str, layers: int) -> str:
+  """The preset "NAME" (or "NAME:L") as "NAME:layers": the same widths at another depth."""
+  return f"{preset.partition(':')[0]}:{layers}"
+
+
+def with_layers(model: ModelShape, layers: int) -> ModelShape:
+  """`model` with `layers` layers of the same widths."""
+  return dataclasses.replace(model, preset=layers_preset(model.preset, layers))
 
 
 def append_call(shape: SamplerShape, tokens: int, window: int, mesh: Mesh):
@@ -84,32 +87,26 @@ def _auto_cache_layout(bound: ap.Bound, args, cache, mesh: Mesh):
                  donate_argnums=(1,))
 
 
-def _policy_layers(config: ml_collections.ConfigDict, layers: int) -> ml_collections.ConfigDict:
-  out = copy.deepcopy(config)
-  with out.unlocked():
-    out.policy.preset = with_layers(ml_collections.ConfigDict({"preset": config.policy.preset}),
-                                    layers).preset
-  return out
+def _policy_layers(spec: RunSpec, layers: int) -> RunSpec:
+  return aot_target.with_policy(spec, preset=layers_preset(spec.policy.preset, layers))
 
 
-def update_call(config: ml_collections.ConfigDict, mesh: Mesh, *, rows: int, length: int, critic: bool,
-                layers: int):
+def update_call(spec: RunSpec, mesh: Mesh, *, rows: int, length: int, critic: bool, layers: int):
   """`Updater`'s step on one micro-batch of `rows` x `length` (one gradient + one optimizer update)."""
-  config = _policy_layers(config, layers)
-  fn, (params, opt_state, _) = ap.update_program(config, mesh, critic=critic)
+  spec = _policy_layers(spec, layers)
+  fn, (params, opt_state, _) = ap.update_program(spec, mesh, critic=critic)
   batch = UpdateBatch.abstract((1, rows, length), mesh,
-                               ref_logp=config.rl.kl_coef > 0 and not config.rl.kl_in_reward,
-                               values=config.algo == "ppo")
+                               ref_logp=spec.rl.kl_coef > 0 and not spec.rl.kl_in_reward,
+                               values=spec.algo == "ppo")
   return fn, (params, opt_state, batch)
 
 
-def forward_call(config: ml_collections.ConfigDict, mesh: Mesh, *, rows: int, length: int,
-                 layers: int):
+def forward_call(spec: RunSpec, mesh: Mesh, *, rows: int, length: int, layers: int):
   """The scoring pass of one micro-batch (old / reference log-probs), as the trainer runs it."""
-  config = _policy_layers(config, layers)
-  model = ap.policy_model(config)
+  spec = _policy_layers(spec, layers)
+  model = ap.policy_model(spec)
   graphdef, params = ap.abstract_params(model, mesh)
-  chunk = config.rl.logits_chunk
+  chunk = spec.rl.logits_chunk
   tokens = ap.abstract_array((rows, length), jnp.int32, ("batch", "seq"), mesh)
 
   @jax.jit
@@ -119,6 +116,6 @@ def forward_call(config: ml_collections.ConfigDict, mesh: Mesh, *, rows: int, le
   return logprobs, (params, tokens, tokens)
 
 
-def reshard_call(config: ml_collections.ConfigDict, train: Mesh, decode: Mesh, *, layers: int):
+def reshard_call(spec: RunSpec, train: Mesh, decode: Mesh, *, layers: int):
   """`aot.programs.reshard_program` on a policy of `layers` layers."""
-  return ap.reshard_program(_policy_layers(config, layers), train, decode)
+  return ap.reshard_program(_policy_layers(spec, layers), train, decode)

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
 from rlver_jax.aot import plan as run_plan
+from rlver_jax.aot import target as aot_target
 from rlver_jax.aot.report import evaluate, find_smallest, format_evaluation, format_table
 from rlver_jax.aot.step_time_cli import run_estimate
 from rlver_jax.aot.topology import CANDIDATES, AotError
@@ -56,14 +56,16 @@ def _streamed_table():
   return log
 
 
-def _run(config: ml_collections.ConfigDict) -> None:
+def _run(config) -> None:
+  """Reads the config file's ConfigDict into its typed target (`aot.target`), then runs."""
+  target = aot_target.from_config(config)
   if _ESTIMATE.value:
-    print(run_estimate(config, _TOPOLOGY.value))
+    print(run_estimate(target, _TOPOLOGY.value))
     return
   if not _FIND.value:
-    print(format_evaluation(evaluate(config, _TOPOLOGY.value, only=_ONLY.value)))
+    print(format_evaluation(evaluate(target, _TOPOLOGY.value, only=_ONLY.value)))
     return
-  found = find_smallest(config, _FAMILIES.value, log=_streamed_table(), only=_ONLY.value)
+  found = find_smallest(target, _FAMILIES.value, log=_streamed_table(), only=_ONLY.value)
   print()
   for family, f in found.items():
     if f is None:

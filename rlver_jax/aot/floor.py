@@ -15,11 +15,12 @@ import dataclasses
 import math
 
 import jax
-import ml_collections
 from flax import nnx
 
 from rlver_jax.aot import programs as ap
 from rlver_jax.aot.chips import ChipSpec
+from rlver_jax.aot.target import ModelShape
+from rlver_jax.spec import RunSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,18 +34,16 @@ class Floor:
   slot_steps: float = 0.0   # filled slots summed over steps, one row
 
 
-def decode_weight_bytes(model: ml_collections.ConfigDict) -> int:
+def decode_weight_bytes(model: ModelShape) -> int:
   """Compute-dtype bytes a decode step must read: every weight but the token embedding's table."""
-  model = model.copy_and_resolve_references()
-  with model.unlocked():
-    model.param_dtype = model.dtype
+  model = dataclasses.replace(model, param_dtype=model.dtype)
   _, state = nnx.split(ap._module(model))
   flat = nnx.to_flat_state(state)
   return sum(math.prod(v.shape) * v.dtype.itemsize for path, v in flat
              if not (path[0] == "embed" and not ap.model_config(model).tie_word_embeddings))
 
 
-def kv_bytes_per_slot(model: ml_collections.ConfigDict) -> int:
+def kv_bytes_per_slot(model: ModelShape) -> int:
   """One row's keys and values of one cache slot, every layer, in the cache's dtype (an int8 cache
   adds its fp32 scale per token and KV head)."""
   c = ap.model_config(model)
@@ -53,7 +52,7 @@ def kv_bytes_per_slot(model: ml_collections.ConfigDict) -> int:
   return 2 * c.num_layers * c.num_kv_heads * (c.head_dim * dtype.itemsize + scale)
 
 
-def decode_floor(config: ml_collections.ConfigDict, calls: dict[str, float], role: str,
+def decode_floor(spec: RunSpec, calls: dict[str, float], role: str,
                  devices: int, chip: ChipSpec) -> Floor | None:
   """The floor of `role`'s decode steps in `calls` on `devices` chips; None without decode steps."""
   decode = {int(k.rpartition("/W")[2]): n for k, n in calls.items()
@@ -61,13 +60,13 @@ def decode_floor(config: ml_collections.ConfigDict, calls: dict[str, float], rol
   steps = sum(decode.values())
   if not steps:
     return None
-  model = ap.policy_model(config) if role == "policy" else ap.simulator_model(config)
+  model = ap.policy_model(spec) if role == "policy" else ap.simulator_model(spec)
   slots = calls.get(f"{role}/decode_slots")
   from_windows = slots is None
   if from_windows:
     slots = sum(w * n for w, n in decode.items())
   weights = decode_weight_bytes(model)
-  kv = slots * ap.lent_rows(config) * kv_bytes_per_slot(model)
+  kv = slots * ap.lent_rows(spec) * kv_bytes_per_slot(model)
   return Floor(role, steps, weights, kv, (steps * weights + kv) / (devices * chip.bytes_per_s),
                from_windows, slots)
 

@@ -1,4 +1,4 @@
-"""The meshes a run's programs compile on: training (update, scoring passes) on `config.mesh`, the
+"""The meshes a run's programs compile on: training (update, scoring passes) on `mesh`, the
 policy's rollout on `rollout.policy_mesh`, the simulator on `simulator.mesh`, all over the same
 devices (`rlver_jax.spec.layouts` resolves each setting; 'auto' adds FSDP only where a model's
 weight shard would crowd the chip's HBM, so it is given the weights' bytes and the HBM here).
@@ -15,12 +15,13 @@ from typing import Sequence
 
 import jax
 import numpy as np
-import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
 from rlver_jax.aot import programs as ap
+from rlver_jax.aot.target import ModelShape, Target
 from rlver_jax.parallel.sharding import MESH_AXES, MeshConfig, make_mesh
+from rlver_jax.spec import RunSpec
 from rlver_jax.spec import layouts as spec_layouts
 
 
@@ -59,13 +60,13 @@ def single(mesh: Mesh) -> Layouts:
   return Layouts(mesh, mesh, mesh)
 
 
-def weight_bytes(model: ml_collections.ConfigDict) -> int:
+def weight_bytes(model: ModelShape) -> int:
   """Bytes of a model's whole weights (every shard together), as `aot.programs` describes it."""
   _, state = nnx.split(ap._module(model))
   return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
 
 
-def resolve(config: ml_collections.ConfigDict, devices: Sequence[jax.Device], train: MeshConfig,
+def resolve(spec: RunSpec, devices: Sequence[jax.Device], train: MeshConfig,
             hbm_bytes: int | None) -> Layouts:
   """The run's layouts on `devices` with training mesh `train`; ValueError (naming the key) for a
   decode layout that does not divide the devices or the model's heads."""
@@ -73,8 +74,8 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence[jax.Device], tr
   train_mesh = make_mesh(train, devices)
   meshes = {}
   for role, key, value, model in (
-      ("policy", "rollout.policy_mesh", config.rollout.policy_mesh, ap.policy_decode_model(config)),
-      ("simulator", "simulator.mesh", config.simulator.mesh, ap.simulator_model(config))):
+      ("policy", "rollout.policy_mesh", spec.rollout.policy_mesh, ap.policy_decode_model(spec)),
+      ("simulator", "simulator.mesh", spec.simulator.mesh, ap.simulator_model(spec))):
     if value == spec_layouts.TRAIN:
       meshes[role] = train_mesh
       continue
@@ -84,15 +85,15 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence[jax.Device], tr
     # meshes order the same devices differently (mesh_utils orders each shape its own way).
     meshes[role] = Mesh(np.asarray(train_mesh.devices).reshape(sizes.resolve(n)), MESH_AXES)
   return Layouts(train_mesh, meshes["policy"], meshes["simulator"],
-                 policy_copy=config.rollout.policy_mesh != spec_layouts.TRAIN)
+                 policy_copy=spec.rollout.policy_mesh != spec_layouts.TRAIN)
 
 
 RESHARD = "policy_reshard"
 
 
-def build(name: str, config: ml_collections.ConfigDict, layouts: Layouts):
+def build(name: str, target: Target, layouts: Layouts):
   """(jitted_fn, abstract_args) of a registered program (`programs.PROGRAMS`) or the reshard, on
   its layout's mesh."""
   if name == RESHARD:
-    return ap.reshard_program(config, layouts.train, layouts.policy)
-  return ap.PROGRAMS[name](config, layouts.for_program(name))
+    return ap.reshard_program(target, layouts.train, layouts.policy)
+  return ap.PROGRAMS[name](target, layouts.for_program(name))

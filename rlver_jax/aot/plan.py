@@ -1,4 +1,5 @@
-"""The whole-run memory plan of a training config: its programs, and what is resident in each phase.
+"""The whole-run memory plan of a training run (its `RunSpec`): its programs, and what is resident
+in each phase.
 
 A training step has two phases on one set of devices, each model in its layout (`aot.layouts`),
 and the trainer keeps its whole state on device through both (`train.Trainer.state`, the simulator
@@ -25,7 +26,6 @@ import math
 from typing import Any, Protocol, Sequence
 
 import jax
-import ml_collections
 from jax.sharding import Mesh
 
 from rlver_jax.aot import programs as ap
@@ -44,33 +44,27 @@ class Row(Protocol):
   input_bytes: tuple[int, ...]
 
 
-def is_run_config(config: ml_collections.ConfigDict) -> bool:
-  """A training config (configs/base.py) rather than an AOT config naming its programs."""
-  return "programs" not in config and "algo" in config and "policy" in config
+def has_simulator(spec: RunSpec) -> bool:
+  return spec.simulator.backend == "model"
 
 
-def has_simulator(config: ml_collections.ConfigDict) -> bool:
-  return config.simulator.backend == "model"
-
-
-def rollout_programs(config: ml_collections.ConfigDict) -> tuple[str, ...]:
-  roles = ("policy", "simulator") if has_simulator(config) else ("policy",)
+def rollout_programs(spec: RunSpec) -> tuple[str, ...]:
+  roles = ("policy", "simulator") if has_simulator(spec) else ("policy",)
   return tuple(f"{role}_{kind}" for role in roles for kind in SAMPLER_KINDS)
 
 
-def update_programs(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+def update_programs(spec: RunSpec) -> tuple[str, ...]:
   """The update's programs, then the reshard of the policy's decode copy (a serving layout)."""
-  reshard = ("policy_reshard",) if config.rollout.policy_mesh != "train" else ()
-  if config.algo == "grpo":
+  reshard = ("policy_reshard",) if spec.rollout.policy_mesh != "train" else ()
+  # RunSpec admits grpo and ppo only.
+  if spec.algo == "grpo":
     return ("grpo_update",) + reshard
-  if config.algo == "ppo":
-    return ("ppo_policy_update", "ppo_critic_update") + reshard
-  raise ValueError(f"config.algo: unknown algorithm {config.algo!r} (expected grpo or ppo)")
+  return ("ppo_policy_update", "ppo_critic_update") + reshard
 
 
-def run_programs(config: ml_collections.ConfigDict) -> tuple[str, ...]:
-  """Every program one training step runs, compiled at the config's real shapes."""
-  return rollout_programs(config) + update_programs(config)
+def run_programs(spec: RunSpec) -> tuple[str, ...]:
+  """Every program one training step runs, compiled at the run's real shapes."""
+  return rollout_programs(spec) + update_programs(spec)
 
 
 def search_order(names: Sequence[str]) -> list[str]:
@@ -96,39 +90,39 @@ def per_device_bytes(tree: Any) -> int:
   return sum(_leaf_bytes(x) for x in jax.tree.leaves(tree))
 
 
-def _params_and_optimizer(config, mesh: Mesh, critic: bool) -> tuple[int, int]:
-  _, params = ap.abstract_params(ap.policy_model(config), mesh, head="value" if critic else "lm")
-  optimizer = make_optimizer(RunSpec.from_config(config).optim.optim_config(critic=critic))
+def _params_and_optimizer(spec: RunSpec, mesh: Mesh, critic: bool) -> tuple[int, int]:
+  _, params = ap.abstract_params(ap.policy_model(spec), mesh, head="value" if critic else "lm")
+  optimizer = make_optimizer(spec.optim.optim_config(critic=critic))
   return per_device_bytes(params), per_device_bytes(ap.abstract_opt_state(optimizer, params, mesh))
 
 
-def _cache_bytes(config, mesh: Mesh, role: str) -> int:
-  model = ap.policy_decode_model(config) if role == "policy" else ap.simulator_model(config)
-  section = config.policy if role == "policy" else config.simulator
-  return per_device_bytes(ap.abstract_cache(ap.model_config(model), ap.rollout_rows(config, mesh),
+def _cache_bytes(spec: RunSpec, mesh: Mesh, role: str) -> int:
+  model = ap.policy_decode_model(spec) if role == "policy" else ap.simulator_model(spec)
+  section = spec.policy if role == "policy" else spec.simulator
+  return per_device_bytes(ap.abstract_cache(ap.model_config(model), ap.rollout_rows(spec, mesh),
                                             section.max_context, ap.cache_dtype(model), mesh))
 
 
-def resident_state(config: ml_collections.ConfigDict, layouts) -> dict[str, dict[str, int]]:
+def resident_state(spec: RunSpec, layouts) -> dict[str, dict[str, int]]:
   """Per phase: {piece: per-device bytes} of the state that stays on device through it, each piece
   on its model's mesh (`aot.layouts.Layouts`): training state on `train`, the simulator and each
   KV cache in their decode layouts. The policy's decode copy stays resident through the update (the
   reshard writes into its donated buffers)."""
   train = layouts.train
-  params, opt = _params_and_optimizer(config, train, critic=False)
+  params, opt = _params_and_optimizer(spec, train, critic=False)
   common = {"policy params": params, "policy optimizer": opt}
-  if config.algo == "ppo":
-    common["critic params"], common["critic optimizer"] = _params_and_optimizer(config, train, True)
-  if config.rl.kl_coef > 0:
+  if spec.algo == "ppo":
+    common["critic params"], common["critic optimizer"] = _params_and_optimizer(spec, train, True)
+  if spec.rl.kl_coef > 0:
     common["reference params"] = params
   if layouts.policy_copy:
-    _, copy = ap.abstract_params(ap.policy_decode_model(config), layouts.policy)
+    _, copy = ap.abstract_params(ap.policy_decode_model(spec), layouts.policy)
     common["policy decode copy"] = per_device_bytes(copy)
-  if has_simulator(config):
-    _, sim = ap.abstract_params(ap.simulator_model(config), layouts.simulator)
+  if has_simulator(spec):
+    _, sim = ap.abstract_params(ap.simulator_model(spec), layouts.simulator)
     common["simulator params"] = per_device_bytes(sim)
-    common["simulator KV cache"] = _cache_bytes(config, layouts.simulator, "simulator")
-  rollout = dict(common, **{"policy KV cache": _cache_bytes(config, layouts.policy, "policy")})
+    common["simulator KV cache"] = _cache_bytes(spec, layouts.simulator, "simulator")
+  rollout = dict(common, **{"policy KV cache": _cache_bytes(spec, layouts.policy, "policy")})
   return {"rollout": rollout, "update": common}
 
 
@@ -165,12 +159,12 @@ class Phase:
 
 
 class Plan:
-  """The memory plan of one training config on one mesh: resident state per phase, then phases."""
+  """The memory plan of one training run on one mesh: resident state per phase, then phases."""
 
-  def __init__(self, config: ml_collections.ConfigDict, layouts, hbm_bytes: int):
+  def __init__(self, spec: RunSpec, layouts, hbm_bytes: int):
     self.hbm_bytes = hbm_bytes
-    self.state = resident_state(config, layouts)
-    self.programs = {"rollout": rollout_programs(config), "update": update_programs(config)}
+    self.state = resident_state(spec, layouts)
+    self.programs = {"rollout": rollout_programs(spec), "update": update_programs(spec)}
 
   def phase_of(self, program: str) -> str:
     return next(name for name, programs in self.programs.items() if program in programs)

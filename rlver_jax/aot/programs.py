@@ -1,13 +1,14 @@
 """Programs that `rlver_jax.aot` compiles ahead of time, and the abstract inputs they need.
 
-A program is a function `(config, mesh) -> (jitted_fn, abstract_args)`: it reads its own section of
-the ConfigDict, builds a `jax.jit`-wrapped function and a tuple of ShapeDtypeStruct pytrees (sharded on
-`mesh`) such that `jitted_fn.lower(*abstract_args)` lowers it. Nothing is allocated. A new program is one
-function plus one entry in `PROGRAMS`; a config names the programs it wants in `config.programs`.
+A program is a function `(target, mesh) -> (jitted_fn, abstract_args)`: it reads its own settings
+of the typed target (`aot.target`: a run's `RunSpec`, or `ForwardSpec`), builds a `jax.jit`-wrapped
+function and a tuple of ShapeDtypeStruct pytrees (sharded on `mesh`) such that
+`jitted_fn.lower(*abstract_args)` lowers it. Nothing is allocated. A new program is one function
+plus one entry in `PROGRAMS`; an aot config names the programs it wants in `config.programs`.
 
-`forward` reads an aot config (`configs/aot_forward.py`). The run programs (sampler and update steps)
-read a training config (`configs/grpo_think.py`, ...) and compile the trainer's own jitted functions:
-`Sampler`'s append/decode and `Updater`'s step. Run programs take their resident state (params and KV
+`forward` reads an aot config's `ForwardSpec` (`configs/aot_forward.py`). The run programs (sampler
+and update steps) read a training run's `RunSpec` (`configs/grpo_think.py`, ...) and compile the
+trainer's own jitted functions: `Sampler`'s append/decode and `Updater`'s step. Run programs take their resident state (params and KV
 cache, or params and optimizer state) as their first two arguments; `rlver_jax.aot.plan` relies on it.
 
 Shape legend: B batch, T tokens, V vocabulary, S cache slots, M micro-batches.
@@ -20,11 +21,11 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rlver_jax.aot.target import ForwardSpec, ModelShape, Target
 from rlver_jax.spec import RunSpec
 from rlver_jax.models.factory import abstract_model, state_shardings
 from rlver_jax.models.presets import Qwen2Config, get_preset, param_dtype_of
@@ -36,17 +37,17 @@ from rlver_jax.sampling.kv_cache import KVCache, default_layout
 from rlver_jax.sampling.sampler import DEFAULT_APPEND_BUCKETS, Sampler, bucket
 from rlver_jax.sampling.strategies import SamplingParams
 
-Program = Callable[[ml_collections.ConfigDict, Mesh], tuple[Callable[..., Any], tuple[Any, ...]]]
+Program = Callable[[Target, Mesh], tuple[Callable[..., Any], tuple[Any, ...]]]
 
 # A typical turn appended to a dialogue (a user reply plus headers), in tokens.
 TYPICAL_TURN_TOKENS = 256
 
 
-def model_config(model: ml_collections.ConfigDict) -> Qwen2Config:
+def model_config(model: ModelShape) -> Qwen2Config:
   """The architecture named by `model.preset`; "NAME:L" or `model.num_layers` gives it L layers."""
   name, _, layers = model.preset.partition(":")
   config = get_preset(name)
-  num_layers = int(layers) if layers else model.get("num_layers")
+  num_layers = int(layers) if layers else model.num_layers
   if num_layers is not None:
     config = dataclasses.replace(config, num_layers=num_layers)
   return config
@@ -58,32 +59,32 @@ def abstract_array(shape: Sequence[int], dtype, logical_axes: Sequence[str | Non
   return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=rules.sharding(mesh, logical_axes, shape))
 
 
-def _module(model: ml_collections.ConfigDict, head: Head = "lm") -> Qwen2:
+def _module(model: ModelShape, head: Head = "lm") -> Qwen2:
   return abstract_model(model_config(model), head=head, param_dtype=param_dtype_of(model.param_dtype),
                         dtype=param_dtype_of(model.dtype), remat=model.remat,
-                        int8_weights=model.get("weight_dtype") == "int8")
+                        int8_weights=model.weight_dtype == "int8")
 
 
-def cache_dtype(model: ml_collections.ConfigDict):
+def cache_dtype(model: ModelShape):
   """The KV cache's dtype of a model description: int8 when `kv_dtype` says so, else its compute dtype."""
-  return jnp.int8 if model.get("kv_dtype") == "int8" else param_dtype_of(model.dtype)
+  return jnp.int8 if model.kv_dtype == "int8" else param_dtype_of(model.dtype)
 
 
 def _with_shardings(tree, shardings):
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
 
 
-def abstract_params(model: ml_collections.ConfigDict, mesh: Mesh, *, head: Head = "lm",
+def abstract_params(model: ModelShape, mesh: Mesh, *, head: Head = "lm",
                     rules: ShardingRules = DEFAULT_RULES) -> tuple[nnx.GraphDef, nnx.State]:
   """(graphdef, state) of the model described by `model`; state leaves are sharded ShapeDtypeStructs."""
   graphdef, state = nnx.split(_module(model, head))
   return graphdef, _with_shardings(state, state_shardings(state, mesh, rules))
 
 
-def forward(config: ml_collections.ConfigDict, mesh: Mesh):
+def forward(spec: ForwardSpec, mesh: Mesh):
   """Full-sequence forward: (params, input_ids [B, T]) -> fp32 logits [B, T, V]."""
-  graphdef, state = abstract_params(config.model, mesh)
-  B, T = config.forward.batch_size, config.forward.seq_len
+  graphdef, state = abstract_params(spec.model, mesh)
+  B, T = spec.batch_size, spec.seq_len
   input_ids = abstract_array((B, T), jnp.int32, ("batch", "seq"), mesh)
 
   @jax.jit
@@ -124,13 +125,13 @@ def abstract_cache(config: Qwen2Config, batch: int, max_len: int, dtype, mesh: M
                          KVCache.shardings(config, batch, max_len, dtype, mesh, layout=layout))
 
 
-def sampler_inputs(model: ml_collections.ConfigDict, batch: int, max_len: int, mesh: Mesh,
+def sampler_inputs(model: ModelShape, batch: int, max_len: int, mesh: Mesh,
                    layout=TPU_CACHE_LAYOUT):
   """(sampler, params, cache): the trainer's Sampler on the abstract model, with sharded inputs."""
   module = _module(model)
   config = model_config(model)
   stop_ids = config.eos_token_id if isinstance(config.eos_token_id, tuple) else (0,)
-  buckets = model.get("append_buckets") or DEFAULT_APPEND_BUCKETS
+  buckets = model.append_buckets or DEFAULT_APPEND_BUCKETS
   sampler = Sampler(module, max_len=max_len, stop_ids=stop_ids, pad_id=config.pad_token_id or 0,
                     append_buckets=buckets, mesh=mesh, cache_layout=layout,
                     cache_dtype=cache_dtype(model))
@@ -138,7 +139,7 @@ def sampler_inputs(model: ml_collections.ConfigDict, batch: int, max_len: int, m
   return sampler, params, abstract_cache(config, batch, max_len, sampler.cache_dtype, mesh, layout)
 
 
-def append_program(model: ml_collections.ConfigDict, batch: int, max_len: int, tokens: int,
+def append_program(model: ModelShape, batch: int, max_len: int, tokens: int,
                    mesh: Mesh):
   """`Sampler.append` of `tokens` per row (bucketed, at most one chunk), attending the full window."""
   sampler, params, cache = sampler_inputs(model, batch, max_len, mesh)
@@ -150,7 +151,7 @@ def append_program(model: ml_collections.ConfigDict, batch: int, max_len: int, t
   return Bound(sampler._append, (sampler.graphdef,), dict(window=sampler.windows[-1])), args
 
 
-def prefill_program(model: ml_collections.ConfigDict, batch: int, max_len: int, mesh: Mesh):
+def prefill_program(model: ModelShape, batch: int, max_len: int, mesh: Mesh):
   """The largest append chunk (the prefill's, or a long turn's late in a dialogue) at the full window.
 
   A prefill onto an empty cache attends a small window; the same chunk appended to a nearly full
@@ -160,7 +161,7 @@ def prefill_program(model: ml_collections.ConfigDict, batch: int, max_len: int, 
   return append_program(model, batch, max_len, max_len, mesh)
 
 
-def decode_program(model: ml_collections.ConfigDict, batch: int, max_len: int, max_new: int,
+def decode_program(model: ModelShape, batch: int, max_len: int, max_new: int,
                    mesh: Mesh):
   """`Sampler.decode` of up to `max_new` tokens per row, attending the full cache window."""
   sampler, params, cache = sampler_inputs(model, batch, max_len, mesh)
@@ -173,107 +174,104 @@ def decode_program(model: ml_collections.ConfigDict, batch: int, max_len: int, m
   return Bound(sampler._decode, (sampler.graphdef,), static), args
 
 
-# -- the run's models and batch, read from a training config -----------------------------------------
+# -- the run's models and batch, read from a training run's spec ---------------------------------------
 
 
-def policy_model(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+def policy_model(spec: RunSpec) -> ModelShape:
   """The policy (and critic) as the AOT tool describes a model: fp32 master params, bf16 compute."""
-  p = config.policy
-  return ml_collections.ConfigDict(dict(preset=p.preset, param_dtype=p.param_dtype,
-                                        dtype=p.compute_dtype, remat=p.remat,
-                                        append_buckets=tuple(p.append_buckets)))
+  p = spec.policy
+  return ModelShape(preset=p.preset, param_dtype=p.param_dtype, dtype=p.compute_dtype,
+                    remat=p.remat, append_buckets=tuple(p.append_buckets))
 
 
-def policy_decode_model(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+def policy_decode_model(spec: RunSpec) -> ModelShape:
   """The policy as its rollout reads it: in a serving layout a copy in the compute dtype
   (`reshard_program`); with `rollout.policy_mesh='train'` the fp32 training params themselves."""
-  model = policy_model(config)
-  if config.rollout.policy_mesh != "train":
-    with model.unlocked():
-      model.param_dtype = config.policy.compute_dtype
+  model = policy_model(spec)
+  if spec.rollout.policy_mesh != "train":
+    model = dataclasses.replace(model, param_dtype=spec.policy.compute_dtype)
   return model
 
 
-def simulator_model(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+def simulator_model(spec: RunSpec) -> ModelShape:
   """The co-located simulator: frozen, params and compute in `simulator.dtype` (its linear weights and
   KV cache in int8 if `simulator.weight_dtype` / `kv_dtype` say so), no remat."""
-  s = config.simulator
-  return ml_collections.ConfigDict(dict(preset=s.preset, param_dtype=s.dtype, dtype=s.dtype,
-                                        remat="none", append_buckets=tuple(s.append_buckets),
-                                        weight_dtype=s.weight_dtype,
-                                        kv_dtype=s.kv_dtype))
+  s = spec.simulator
+  return ModelShape(preset=s.preset, param_dtype=s.dtype, dtype=s.dtype, remat="none",
+                    append_buckets=tuple(s.append_buckets), weight_dtype=s.weight_dtype,
+                    kv_dtype=s.kv_dtype)
 
 
-def num_dialogues(config: ml_collections.ConfigDict) -> int:
-  return config.rl.profiles_per_step * config.rl.group_size
+def num_dialogues(spec: RunSpec) -> int:
+  return spec.rl.profiles_per_step * spec.rl.group_size
 
 
-def num_samples(config: ml_collections.ConfigDict) -> int:
+def num_samples(spec: RunSpec) -> int:
   """Training rows per step, at most: one per policy turn when thoughts are dropped, else per dialogue."""
-  per_dialogue = config.simulator.max_turns if config.policy.think and not config.policy.keep_thoughts else 1
-  return num_dialogues(config) * per_dialogue
+  per_dialogue = spec.simulator.max_turns if spec.policy.think and not spec.policy.keep_thoughts else 1
+  return num_dialogues(spec) * per_dialogue
 
 
-def micro_batch_rows(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> int:
+def micro_batch_rows(spec: RunSpec, mesh: Mesh | None = None) -> int:
   """Global rows of one micro-batch: `rl.micro_batch_size` per batch shard (as `Trainer.make_batch`)."""
-  return config.rl.micro_batch_size * (1 if mesh is None else batch_shards(mesh))
+  return spec.rl.micro_batch_size * (1 if mesh is None else batch_shards(mesh))
 
 
-def batch_layout(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> BatchLayout:
+def batch_layout(spec: RunSpec, mesh: Mesh | None = None) -> BatchLayout:
   """The largest batch a step can make: the most samples, each a full context (the trainer lays
   out its real batch with the same `BatchLayout.for_step`)."""
-  return BatchLayout.for_step(num_samples(config), config.policy.max_context,
-                              micro_batch_rows(config, mesh),
-                              mini_batch_rows=RunSpec.from_config(config).rl.rows_per_mini_batch,
-                              mini_batches=config.rl.mini_batches,
+  return BatchLayout.for_step(num_samples(spec), spec.policy.max_context,
+                              micro_batch_rows(spec, mesh),
+                              mini_batch_rows=spec.rl.rows_per_mini_batch,
+                              mini_batches=spec.rl.mini_batches,
                               shards=1 if mesh is None else batch_shards(mesh))
 
 
-def mini_batches(config: ml_collections.ConfigDict) -> int:
+def mini_batches(spec: RunSpec) -> int:
   """Optimizer updates per epoch at the most samples a step can have."""
-  return batch_layout(config).mini_batches
+  return batch_layout(spec).mini_batches
 
 
-def micro_batches(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> int:
+def micro_batches(spec: RunSpec, mesh: Mesh | None = None) -> int:
   """M of one update step: the packed rows over micro- and mini-batches."""
-  return batch_layout(config, mesh).update_shape[0]
+  return batch_layout(spec, mesh).update_shape[0]
 
 
-def packed_length(config: ml_collections.ConfigDict) -> int:
+def packed_length(spec: RunSpec) -> int:
   """The longest packed training length (a full context up to its bucket)."""
-  return batch_layout(config).length
+  return batch_layout(spec).length
 
 
-def lent_rows(config: ml_collections.ConfigDict) -> int:
+def lent_rows(spec: RunSpec) -> int:
   """Dialogues holding a cache row at once: `rollout.rows` (continuous batching), 0 = all of them."""
-  rows = config.rollout.rows if "rollout" in config else 0
-  return min(rows, num_dialogues(config)) if rows else num_dialogues(config)
+  rows = spec.rollout.rows
+  return min(rows, num_dialogues(spec)) if rows else num_dialogues(spec)
 
 
-def rollout_rows(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> int:
+def rollout_rows(spec: RunSpec, mesh: Mesh | None = None) -> int:
   """KV-cache rows of a training rollout: `lent_rows`, padded to the batch shards like
   `Sampler.padded_rows`."""
-  return padded_batch(lent_rows(config), mesh)
+  return padded_batch(lent_rows(spec), mesh)
 
 
-def _sampler_role(config: ml_collections.ConfigDict, role: str, mesh: Mesh | None = None):
-  section = config.policy if role == "policy" else config.simulator
-  model = policy_decode_model(config) if role == "policy" else simulator_model(config)
-  return model, rollout_rows(config, mesh), section.max_context, section.max_new_tokens
+def _sampler_role(spec: RunSpec, role: str, mesh: Mesh | None = None):
+  section = spec.policy if role == "policy" else spec.simulator
+  model = policy_decode_model(spec) if role == "policy" else simulator_model(spec)
+  return model, rollout_rows(spec, mesh), section.max_context, section.max_new_tokens
 
 
-def run_prefill(config, mesh, *, role: str):
-  model, batch, max_len, _ = _sampler_role(config, role, mesh)
+def run_prefill(spec: RunSpec, mesh: Mesh, *, role: str):
+  model, batch, max_len, _ = _sampler_role(spec, role, mesh)
   return prefill_program(model, batch, max_len, mesh)
 
 
-def run_append(config, mesh, *, role: str):
-  model, batch, max_len, _ = _sampler_role(config, role, mesh)
+def run_append(spec: RunSpec, mesh: Mesh, *, role: str):
+  model, batch, max_len, _ = _sampler_role(spec, role, mesh)
   return append_program(model, batch, max_len, TYPICAL_TURN_TOKENS, mesh)
 
 
-def run_decode(config, mesh, *, role: str):
-  model, batch, max_len, max_new = _sampler_role(config, role, mesh)
+def run_decode(spec: RunSpec, mesh: Mesh, *, role: str):
+  model, batch, max_len, max_new = _sampler_role(spec, role, mesh)
   return decode_program(model, batch, max_len, max_new, mesh)
 
 
@@ -287,37 +285,37 @@ def abstract_opt_state(optimizer: optax.GradientTransformation, params, mesh: Me
                       opt_state_shardings(optimizer, params, mesh))
 
 
-def abstract_batch(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> UpdateBatch:
+def abstract_batch(spec: RunSpec, mesh: Mesh | None = None) -> UpdateBatch:
   """One mini-batch of the largest step as `Updater`'s jitted step receives it."""
-  return UpdateBatch.abstract(batch_layout(config, mesh).update_shape, mesh,
-                              ref_logp=config.rl.kl_coef > 0 and not config.rl.kl_in_reward,
-                              values=config.algo == "ppo")
+  return UpdateBatch.abstract(batch_layout(spec, mesh).update_shape, mesh,
+                              ref_logp=spec.rl.kl_coef > 0 and not spec.rl.kl_in_reward,
+                              values=spec.algo == "ppo")
 
 
-def batch_keys(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+def batch_keys(spec: RunSpec) -> tuple[str, ...]:
   """The arrays of the update's batch, in `UpdateBatch`'s field order."""
-  return tuple(abstract_batch(config).arrays())
+  return tuple(abstract_batch(spec).arrays())
 
 
-def update_program(config: ml_collections.ConfigDict, mesh: Mesh, *, critic: bool):
+def update_program(spec: RunSpec, mesh: Mesh, *, critic: bool):
   """`Updater`'s jitted step: (params, optimizer state, batch) -> (params, state, metrics), donated."""
   head: Head = "value" if critic else "lm"
-  model = policy_model(config)
-  optimizer = make_optimizer(RunSpec.from_config(config).optim.optim_config(critic=critic))
+  model = policy_model(spec)
+  optimizer = make_optimizer(spec.optim.optim_config(critic=critic))
   updater = Updater(_module(model, head), optimizer, "value" if critic else "policy",
-                    RunSpec.from_config(config).loss_config())
+                    spec.loss_config())
   _, params = abstract_params(model, mesh, head=head)
   return updater._step, (params, abstract_opt_state(optimizer, params, mesh),
-                         abstract_batch(config, mesh))
+                         abstract_batch(spec, mesh))
 
 
-def reshard_program(config: ml_collections.ConfigDict, train: Mesh, decode: Mesh):
+def reshard_program(spec: RunSpec, train: Mesh, decode: Mesh):
   """The policy's decode copy refreshed after an update: (training params on `train`, the old copy,
   donated) -> the params cast to the compute dtype on the training mesh, then moved to `decode`'s
   layout; one program, so its transfer is in the HLO like any collective."""
-  _, params = abstract_params(policy_model(config), train)
-  _, old = abstract_params(policy_decode_model(config), decode)
-  dtype = param_dtype_of(config.policy.compute_dtype)
+  _, params = abstract_params(policy_model(spec), train)
+  _, old = abstract_params(policy_decode_model(spec), decode)
+  dtype = param_dtype_of(spec.policy.compute_dtype)
   at_train = jax.tree.map(lambda x: x.sharding, params)
 
   @functools.partial(jax.jit, out_shardings=jax.tree.map(lambda x: x.sharding, old),

@@ -1,8 +1,9 @@
 """Compiling a config's programs for a TPU slice and reporting their per-device memory.
 
-`evaluate` compiles every program of a config on one slice and mesh (with the whole-run plan of a
-training config, `aot.plan`); `find_smallest` searches each chip family for the smallest slice on
-which all of it fits; `format_evaluation` renders the Markdown table the command line prints.
+`evaluate` compiles every program of a target (`aot.target`: a training run's spec or an aot
+config's) on one slice and mesh (with the whole-run plan of a training run, `aot.plan`);
+`find_smallest` searches each chip family for the smallest slice on which all of it fits;
+`format_evaluation` renders the Markdown table the command line prints.
 
 Each program compiles on its model's mesh (`aot.layouts`): sampler programs in their decode layouts,
 the updates and the reshard's source on the training mesh; a row's mesh column names it.
@@ -18,16 +19,15 @@ import dataclasses
 from typing import Sequence
 
 import jax
-import ml_collections
-from jax.sharding import Mesh
 
 from rlver_jax.aot import layouts as aot_layouts
 from rlver_jax.aot import plan as run_plan
+from rlver_jax.aot import target as aot_target
+from rlver_jax.aot.target import Target
 from rlver_jax.aot.plan import gib
 from rlver_jax.aot.programs import PROGRAMS
 from rlver_jax.aot.topology import CANDIDATES, AotError, first_line, get_topology, hbm_per_device
 from rlver_jax.parallel.sharding import MeshConfig, make_mesh
-from rlver_jax.spec import RunSpec
 
 # Meshes `--find_smallest` tries on each slice: FSDP over everything, then tensor parallel at 2/4/8.
 _SEARCH_MESHES = (MeshConfig(1, -1, 1), MeshConfig(1, -1, 2), MeshConfig(1, -1, 4),
@@ -70,7 +70,7 @@ def fitting_mesh(mesh_config: MeshConfig, num_devices: int) -> MeshConfig:
     return MeshConfig(data=1, fsdp=-1, tensor=1)
 
 
-def compile_program(name: str, config: ml_collections.ConfigDict, layouts: aot_layouts.Layouts,
+def compile_program(name: str, target: Target, layouts: aot_layouts.Layouts,
                     topology: str, hbm_bytes: int) -> MemoryRow:
   """Lowers and compiles one program on its layout's mesh; RESOURCE_EXHAUSTED becomes a row."""
   if name not in PROGRAMS and name != aot_layouts.RESHARD:
@@ -79,7 +79,7 @@ def compile_program(name: str, config: ml_collections.ConfigDict, layouts: aot_l
   shape = tuple(mesh.shape[a] for a in ("data", "fsdp", "tensor"))
   # Built outside the mesh context: builders may make small concrete arrays (a sampler's stop ids),
   # which must not be placed on compile-only devices.
-  fn, args = aot_layouts.build(name, config, layouts)
+  fn, args = aot_layouts.build(name, target, layouts)
   row = MemoryRow(program=name, topology=topology, mesh=shape, hbm_bytes=hbm_bytes,
                   input_bytes=tuple(run_plan.per_device_bytes(a) for a in args))
   # The model's activation constraints read the ambient mesh; the reshard spans two meshes whose
@@ -100,50 +100,44 @@ def compile_program(name: str, config: ml_collections.ConfigDict, layouts: aot_l
       code_bytes=m.generated_code_size_in_bytes)
 
 
-def program_names(config: ml_collections.ConfigDict, only: Sequence[str] = ()) -> tuple[str, ...]:
-  """`config.programs`, or every program of a training step for a training config; `only` filters."""
-  names = run_plan.run_programs(config) if run_plan.is_run_config(config) else tuple(config.programs)
+def program_names(target: Target, only: Sequence[str] = ()) -> tuple[str, ...]:
+  """An aot config's `programs`, or every program of a training step for a run; `only` filters."""
+  names = run_plan.run_programs(target) if aot_target.is_run(target) else target.programs
   unknown = [n for n in only if n not in names]
   if unknown:
     raise AotError(f"program {unknown[0]!r} is not one of this config's: {', '.join(names)}")
   return tuple(n for n in names if not only or n in only)
 
 
-def _train_mesh_config(config: ml_collections.ConfigDict, devices: Sequence[jax.Device],
+def _train_mesh_config(target: Target, devices: Sequence[jax.Device],
                        mesh_config: MeshConfig | None) -> MeshConfig:
   if mesh_config is None:
-    mesh_config = fitting_mesh(MeshConfig(config.mesh.data, config.mesh.fsdp, config.mesh.tensor),
-                               len(devices))
+    mesh_config = fitting_mesh(target.mesh, len(devices))
   return MeshConfig(*mesh_config.resolve(len(devices)))
 
 
-def _mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device],
-          mesh_config: MeshConfig | None) -> Mesh:
-  return make_mesh(_train_mesh_config(config, devices, mesh_config), devices)
-
-
-def run_layouts(config: ml_collections.ConfigDict, devices: Sequence[jax.Device],
+def run_layouts(target: Target, devices: Sequence[jax.Device],
                 mesh_config: MeshConfig | None = None, hbm_bytes: int | None = None
                 ) -> aot_layouts.Layouts:
   """Each model's mesh on `devices` (`aot.layouts`): one mesh for an aot config's programs."""
-  train = _train_mesh_config(config, devices, mesh_config)
-  if not run_plan.is_run_config(config):
+  train = _train_mesh_config(target, devices, mesh_config)
+  if not aot_target.is_run(target):
     return aot_layouts.single(make_mesh(train, devices))
   try:
-    return aot_layouts.resolve(config, devices, train, hbm_bytes)
+    return aot_layouts.resolve(target, devices, train, hbm_bytes)
   except ValueError as e:  # a decode layout that does not divide the devices or the heads
     raise AotError(str(e)) from None
 
 
-def report(config: ml_collections.ConfigDict, topology: str,
+def report(target: Target, topology: str,
            mesh_config: MeshConfig | None = None) -> list[MemoryRow]:
-  """One row per program of the config (`program_names`), compiled for `topology`."""
-  return list(evaluate(config, topology, mesh_config).rows)
+  """One row per program of the target (`program_names`), compiled for `topology`."""
+  return list(evaluate(target, topology, mesh_config).rows)
 
 
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
-  """Compiled rows of a config on one slice and mesh; phases (and run total) for training configs."""
+  """Compiled rows of a target on one slice and mesh; phases (and run total) for a training run."""
   topology: str
   mesh: tuple[int, int, int]
   rows: tuple[MemoryRow, ...]
@@ -157,31 +151,26 @@ class Evaluation:
             and all(p.fits for p in self.phases))
 
 
-def evaluate(config: ml_collections.ConfigDict, topology: str, mesh_config: MeshConfig | None = None,
+def evaluate(target: Target, topology: str, mesh_config: MeshConfig | None = None,
              only: Sequence[str] = (), give_up_early: bool = False) -> Evaluation:
-  """Compiles the programs of `config` for `topology`; adds the run plan for a training config.
+  """Compiles the programs of `target` for `topology`; adds the run plan for a training run.
 
-  With `give_up_early` (a search), a training config compiles nothing when its resident state alone
+  With `give_up_early` (a search), a training run compiles nothing when its resident state alone
   exceeds HBM, compiles its biggest programs (the updates) first, and stops at the first program
   that does not fit together with its phase's resident state.
   """
   devices = get_topology(topology)
   hbm = hbm_per_device(devices)
-  names = program_names(config, only)
-  if run_plan.is_run_config(config):
-    try:
-      RunSpec.from_config(config)  # what training would refuse (e.g. a zero micro-batch) is no plan
-    except ValueError as e:
-      raise AotError(str(e)) from None
-  layouts = run_layouts(config, devices, mesh_config, hbm)
+  names = program_names(target, only)
+  layouts = run_layouts(target, devices, mesh_config, hbm)
   shape = tuple(layouts.train.shape[a] for a in ("data", "fsdp", "tensor"))
-  if not run_plan.is_run_config(config):
-    return Evaluation(topology, shape, tuple(compile_program(n, config, layouts, topology, hbm)
+  if not aot_target.is_run(target):
+    return Evaluation(topology, shape, tuple(compile_program(n, target, layouts, topology, hbm)
                                              for n in names))
   described = layouts.describe()
   try:
-    plan = run_plan.Plan(config, layouts, hbm)
-  except ValueError as e:  # an unknown preset, dtype or algorithm in the config
+    plan = run_plan.Plan(target, layouts, hbm)
+  except ValueError as e:  # an unknown preset or dtype
     raise AotError(str(e)) from None
   if give_up_early:
     why = plan.state_misfit(names)
@@ -190,11 +179,11 @@ def evaluate(config: ml_collections.ConfigDict, topology: str, mesh_config: Mesh
     names = run_plan.search_order(names)
   rows = []
   for name in names:
-    rows.append(compile_program(name, config, layouts, topology, hbm))
+    rows.append(compile_program(name, target, layouts, topology, hbm))
     why = plan.row_misfit(rows[-1]) if give_up_early and name != names[-1] else None
     if why:
       return Evaluation(topology, shape, tuple(rows), stopped=why, layouts=described)
-  order = program_names(config, only)
+  order = program_names(target, only)
   rows.sort(key=lambda r: order.index(r.program))
   return Evaluation(topology, shape, tuple(rows), plan.phases(rows), layouts=described)
 
@@ -209,11 +198,10 @@ class Found:
   layouts: str = ""
 
 
-def _search_meshes(config: ml_collections.ConfigDict, num_devices: int) -> list[MeshConfig]:
-  """The config's mesh first, then the search meshes, each once, keeping those that divide."""
-  first = MeshConfig(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+def _search_meshes(target: Target, num_devices: int) -> list[MeshConfig]:
+  """The target's mesh first, then the search meshes, each once, keeping those that divide."""
   out, seen = [], set()
-  for m in (first,) + _SEARCH_MESHES:
+  for m in (target.mesh,) + _SEARCH_MESHES:
     try:
       shape = m.resolve(num_devices)
     except ValueError:
@@ -224,11 +212,11 @@ def _search_meshes(config: ml_collections.ConfigDict, num_devices: int) -> list[
   return out
 
 
-def find_smallest(config: ml_collections.ConfigDict, families: Sequence[str] = tuple(CANDIDATES),
+def find_smallest(target: Target, families: Sequence[str] = tuple(CANDIDATES),
                   log=print, only: Sequence[str] = ()) -> dict[str, Found | None]:
   """Per chip family, the smallest candidate slice (and mesh) on which every program fits.
 
-  For a training config the run total has to fit too; slices whose resident state alone exceeds HBM
+  For a training run the run total has to fit too; slices whose resident state alone exceeds HBM
   are skipped without compiling.
   """
   unknown = [f for f in families if f not in CANDIDATES]
@@ -239,9 +227,9 @@ def find_smallest(config: ml_collections.ConfigDict, families: Sequence[str] = t
     results[family] = None
     for topology in CANDIDATES[family]:
       devices = get_topology(topology)
-      for mesh_config in _search_meshes(config, len(devices)):
+      for mesh_config in _search_meshes(target, len(devices)):
         try:
-          ev = evaluate(config, topology, mesh_config, only, give_up_early=True)
+          ev = evaluate(target, topology, mesh_config, only, give_up_early=True)
         except AotError as e:  # an explicit decode layout that this slice's devices do not divide
           shape = "x".join(map(str, mesh_config.resolve(len(devices))))
           log(_table([("(skipped)", topology, shape) + ("-",) * 5 + (f"no ({e})",)], False))

@@ -15,13 +15,12 @@ import json
 import math
 from typing import Iterator
 
-import ml_collections
 
 from rlver_jax.aot import programs as ap
 from rlver_jax.parallel.sharding import batch_shards
 from rlver_jax.rl.batch import BatchLayout
 from rlver_jax.sampling.sampler import bucket, window_buckets
-from rlver_jax.spec import RunSpec
+from rlver_jax.spec import PolicySpec, RunSpec, SimulatorSpec
 
 Calls = dict[str, float]
 
@@ -65,12 +64,12 @@ class StatedLengths:
 class _Cache:
   """One row's lengths in a sampler's cache, emitting the calls the sampler would make."""
 
-  def __init__(self, role: str, model: ml_collections.ConfigDict, calls: Calls):
-    self.role, self.max_len, self.calls = role, model.max_context, calls
-    self.buckets = tuple(sorted({min(b, self.max_len) for b in model.append_buckets}))
+  def __init__(self, role: str, section: PolicySpec | SimulatorSpec, calls: Calls):
+    self.role, self.max_len, self.calls = role, section.max_context, calls
+    self.buckets = tuple(sorted({min(b, self.max_len) for b in section.append_buckets}))
     self.windows = window_buckets(self.max_len)
-    self.segment = model.get("decode_segment", 0)
-    self.decode_windows = window_buckets(self.max_len, step=model.get("window_step", 0))
+    self.segment = section.decode_segment
+    self.decode_windows = window_buckets(self.max_len, step=section.window_step)
     self.length = 0
 
   def _add(self, key: str, n: float) -> None:
@@ -96,9 +95,9 @@ class _Cache:
     self.length += n
 
 
-def _policy_turns(config, lengths: StatedLengths, policy: _Cache) -> list[int]:
+def _policy_turns(spec: RunSpec, lengths: StatedLengths, policy: _Cache) -> list[int]:
   """The policy's prefill, decodes and appends; returns the length of each training sample."""
-  p = config.policy
+  p = spec.policy
   drop = p.think and not p.keep_thoughts
   policy.append(lengths.policy_prompt, "prefill")
   samples = []
@@ -117,8 +116,8 @@ def _policy_turns(config, lengths: StatedLengths, policy: _Cache) -> list[int]:
   return samples if drop else [policy.length]
 
 
-def _simulator_turns(config, lengths: StatedLengths, sim: _Cache) -> None:
-  s = config.simulator
+def _simulator_turns(spec: RunSpec, lengths: StatedLengths, sim: _Cache) -> None:
+  s = spec.simulator
   sim.append(lengths.simulator_prompt)
   sim.decode(lengths.simulator_tokens, s.max_new_tokens)  # the opening line
   for turn in range(lengths.turns):
@@ -129,34 +128,33 @@ def _simulator_turns(config, lengths: StatedLengths, sim: _Cache) -> None:
       sim.decode(lengths.simulator_tokens, s.max_new_tokens)
 
 
-def waves(config: ml_collections.ConfigDict) -> int:
+def waves(spec: RunSpec) -> int:
   """How many times the stated-length rollout fills its rows: 1 in lockstep; with `rollout.rows` = R,
   whole groups start together, so R // group_size groups run at once and the dialogues, all of one
   length, end together and hand their rows to the next as many groups."""
-  groups_at_once = ap.lent_rows(config) // config.rl.group_size
-  return math.ceil(config.rl.profiles_per_step / groups_at_once)
+  groups_at_once = ap.lent_rows(spec) // spec.rl.group_size
+  return math.ceil(spec.rl.profiles_per_step / groups_at_once)
 
 
-def stated_calls(config: ml_collections.ConfigDict, lengths: StatedLengths, mesh=None) -> Calls:
+def stated_calls(spec: RunSpec, lengths: StatedLengths, mesh=None) -> Calls:
   """The calls of a step in which every dialogue has `lengths` (one row stands for all), each
   sampler call repeated for every wave of dialogues (`waves`)."""
   calls: Calls = {}
-  policy = _Cache("policy", config.policy, calls)
-  samples = _policy_turns(config, lengths, policy)
-  if config.simulator.backend == "model":
-    sim = _Cache("simulator", config.simulator, calls)
-    _simulator_turns(config, lengths, sim)
-  repeat = waves(config)
+  policy = _Cache("policy", spec.policy, calls)
+  samples = _policy_turns(spec, lengths, policy)
+  if spec.simulator.backend == "model":
+    sim = _Cache("simulator", spec.simulator, calls)
+    _simulator_turns(spec, lengths, sim)
+  repeat = waves(spec)
   calls = {key: n * repeat for key, n in calls.items()}
-  spec = RunSpec.from_config(config)
-  layout = BatchLayout.for_step(len(samples) * ap.num_dialogues(config), max(samples),
-                                ap.micro_batch_rows(config, mesh),
+  layout = BatchLayout.for_step(len(samples) * ap.num_dialogues(spec), max(samples),
+                                ap.micro_batch_rows(spec, mesh),
                                 mini_batch_rows=spec.rl.rows_per_mini_batch,
-                                mini_batches=config.rl.mini_batches,
+                                mini_batches=spec.rl.mini_batches,
                                 shards=1 if mesh is None else batch_shards(mesh))
   M, B, T = layout.step_shape
-  passes = 1 + (config.rl.kl_coef > 0) + (config.algo == "ppo")
-  calls.update({"update/micro_batches": float(M * config.rl.epochs), "update/rows": float(B),
+  passes = 1 + (spec.rl.kl_coef > 0) + (spec.algo == "ppo")
+  calls.update({"update/micro_batches": float(M * spec.rl.epochs), "update/rows": float(B),
                 "update/length": float(T), "forward/micro_batches": float(M * passes)})
   return calls
 

@@ -21,7 +21,6 @@ import dataclasses
 from typing import Callable
 
 import jax
-import ml_collections
 from jax.sharding import Mesh
 
 from rlver_jax.aot import call_programs as cp
@@ -31,6 +30,7 @@ from rlver_jax.aot.collectives import collective_links
 from rlver_jax.aot.layouts import Layouts
 from rlver_jax.aot.step_calls import Calls, sampler_keys
 from rlver_jax.sampling.sampler import window_buckets
+from rlver_jax.spec import RunSpec
 
 PHASES = ("policy decode", "simulator decode", "prefills", "update", "reshard")
 
@@ -156,7 +156,7 @@ def _depths(layers: int) -> tuple[int, ...]:
 
 
 class CostModel:
-  """Per-call costs of one config's programs, each on its model's mesh (`aot.layouts.Layouts`:
+  """Per-call costs of one run's programs, each on its model's mesh (`aot.layouts.Layouts`:
   sampler calls in their decode layouts, update and scoring passes on the training mesh), compiled
   on demand and kept.
 
@@ -165,10 +165,10 @@ class CostModel:
   `compile_cost` is swappable so tests can count compiles.
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, layouts: Layouts, *,
+  def __init__(self, spec: RunSpec, layouts: Layouts, *,
                layout: str = ap.TPU_CACHE_LAYOUT, rows: int | None = None,
                compile_cost: Callable = compiled_cost, log: Callable[[str], None] = lambda _: None):
-    self.config, self.layouts, self.layout, self.log = config, layouts, layout, log
+    self.spec, self.layouts, self.layout, self.log = spec, layouts, layout, log
     self.mesh = layouts.train
     self._rows = rows
     self.compile_cost = compile_cost
@@ -176,7 +176,7 @@ class CostModel:
     self.compiles = 0
 
   def rows(self, role: str) -> int:
-    return self._rows or ap.rollout_rows(self.config, self.layouts.for_role(role))
+    return self._rows or ap.rollout_rows(self.spec, self.layouts.for_role(role))
 
   def _cost(self, key: tuple, build: Callable[[], tuple], mesh: Mesh) -> Cost:
     if key not in self._kept:
@@ -190,16 +190,16 @@ class CostModel:
     return self._kept[key]
 
   def _shape(self, role: str, layers: int) -> cp.SamplerShape:
-    model, _, max_len, max_new = ap._sampler_role(self.config, role)
+    model, _, max_len, max_new = ap._sampler_role(self.spec, role)
     return cp.SamplerShape(cp.with_layers(model, layers), self.rows(role), max_len, max_new, self.layout)
 
   def _layers(self, role: str) -> int:
-    model = ap.policy_model(self.config) if role == "policy" else ap.simulator_model(self.config)
+    model = ap.policy_model(self.spec) if role == "policy" else ap.simulator_model(self.spec)
     return ap.model_config(model).num_layers
 
   def sampler_call(self, role: str, kind: str, tokens: int | None, window: int) -> Cost:
     """One append chunk of `tokens` (kind "append") or one decode step ("decode") at `window`."""
-    max_len = (self.config.policy if role == "policy" else self.config.simulator).max_context
+    max_len = (self.spec.policy if role == "policy" else self.spec.simulator).max_context
     windows = window_buckets(max_len)
     ends = (windows[0], windows[-1]) if len(windows) > 1 else (windows[0],)
     L = self._layers(role)
@@ -217,7 +217,7 @@ class CostModel:
   def decode_bytes_line(self, role: str) -> tuple[float, float]:
     """(bytes a decode step reads whatever its window, bytes per window slot) per device, at the
     model's depth: the line through the decode step's cost at the smallest and largest window."""
-    windows = window_buckets((self.config.policy if role == "policy" else self.config.simulator)
+    windows = window_buckets((self.spec.policy if role == "policy" else self.spec.simulator)
                              .max_context)
     w0, w1 = windows[0], windows[-1]
     b0, b1 = (self.sampler_call(role, "decode", None, w).bytes for w in (w0, w1))
@@ -227,19 +227,19 @@ class CostModel:
   def update_micro_batch(self, rows: int, length: int, critic: bool = False) -> Cost:
     L = self._layers("policy")
     return extrapolate({d: self._cost(("update", critic, rows, length, d), lambda d=d: cp.update_call(
-        self.config, self.mesh, rows=rows, length=length, critic=critic, layers=d), self.mesh)
+        self.spec, self.mesh, rows=rows, length=length, critic=critic, layers=d), self.mesh)
         for d in _depths(L)}, L)
 
   def forward_micro_batch(self, rows: int, length: int) -> Cost:
     L = self._layers("policy")
     return extrapolate({d: self._cost(("forward", rows, length, d), lambda d=d: cp.forward_call(
-        self.config, self.mesh, rows=rows, length=length, layers=d), self.mesh) for d in _depths(L)}, L)
+        self.spec, self.mesh, rows=rows, length=length, layers=d), self.mesh) for d in _depths(L)}, L)
 
   def reshard(self) -> Cost:
     """The policy's decode copy refreshed from the training params (`programs.reshard_program`)."""
     L = self._layers("policy")
     return extrapolate({d: self._cost(("reshard", d), lambda d=d: cp.reshard_call(
-        self.config, self.layouts.train, self.layouts.policy, layers=d), self.mesh)
+        self.spec, self.layouts.train, self.layouts.policy, layers=d), self.mesh)
         for d in _depths(L)}, L)
 
 
@@ -282,7 +282,7 @@ def estimate(model: CostModel, calls: Calls, chip: ChipSpec,
   if micro and "update" in phases:
     rows, length = int(calls["update/rows"]), int(calls["update/length"])
     phases["update"].add(model.update_micro_batch(rows, length), micro, chip)
-    if model.config.algo == "ppo":
+    if model.spec.algo == "ppo":
       phases["update"].add(model.update_micro_batch(rows, length, critic=True), micro, chip)
     phases["update"].add(model.forward_micro_batch(rows, length), calls.get("forward/micro_batches", 0.0),
                          chip)

@@ -14,12 +14,12 @@ import dataclasses
 import sys
 
 import jax
-import ml_collections
 from absl import flags
 
 from rlver_jax.aot import plan as run_plan
 from rlver_jax.aot import programs as ap
 from rlver_jax.aot import floor, step_calls, step_time
+from rlver_jax.aot import target as aot_target
 from rlver_jax.aot.chips import ChipSpec, chip_for_kind
 from rlver_jax.aot.report import run_layouts
 from rlver_jax.aot.topology import AotError, get_topology, hbm_per_device
@@ -48,15 +48,15 @@ _LENGTH_FLAGS = {k: flags.DEFINE_integer(k, None, f"{doc} (stated-lengths mode)"
                  for k, (doc, _) in _LENGTHS.items()}
 
 
-def stated_lengths(config: ml_collections.ConfigDict) -> step_calls.StatedLengths:
-  return step_calls.StatedLengths(**{k: f.value if f.value is not None else _LENGTHS[k][1](config)
+def stated_lengths(spec: RunSpec) -> step_calls.StatedLengths:
+  return step_calls.StatedLengths(**{k: f.value if f.value is not None else _LENGTHS[k][1](spec)
                                      for k, f in _LENGTH_FLAGS.items()})
 
 
-def layout_word(config: ml_collections.ConfigDict) -> str:
+def layout_word(spec: RunSpec) -> str:
   """How the rollout shares its cache rows: "lockstep" or "continuous, R rows"."""
-  rows = config.rollout.rows
-  return "lockstep" if not rows else f"continuous, {ap.lent_rows(config)} rows"
+  rows = spec.rollout.rows
+  return "lockstep" if not rows else f"continuous, {ap.lent_rows(spec)} rows"
 
 
 def _devices(topology: str):
@@ -74,10 +74,10 @@ def _chip(devices) -> ChipSpec:
                              bytes_per_s=_BANDWIDTH.value or nominal.bytes_per_s)
 
 
-def _calls(config, mesh):
+def _calls(spec: RunSpec, mesh):
   if _CALLS_FROM.value is None:
-    lengths = stated_lengths(config)
-    return step_calls.stated_calls(config, lengths, mesh), {}, f"stated lengths {lengths}"
+    lengths = stated_lengths(spec)
+    return step_calls.stated_calls(spec, lengths, mesh), {}, f"stated lengths {lengths}"
   path, sep, step = _CALLS_FROM.value.rpartition(":")
   if not (sep and step.isdigit()):
     path, step = _CALLS_FROM.value, ""
@@ -85,25 +85,23 @@ def _calls(config, mesh):
   return calls, measured, f"calls recorded in {path} (step {int(measured.get('step', 0))})"
 
 
-def run_estimate(config: ml_collections.ConfigDict, topology: str) -> str:
-  """The step-time table for `config` on `topology` ("cpu": this machine's devices)."""
-  if not run_plan.is_run_config(config):
+def run_estimate(spec: aot_target.Target, topology: str) -> str:
+  """The step-time table for a training run's `spec` on `topology` ("cpu": this machine's devices)."""
+  if not aot_target.is_run(spec):
     raise AotError("--estimate_time needs a training config (configs/grpo_think.py, ...)")
-  if _ROWS.value is not None:  # checked like the config value, on a copy
-    config = config.copy_and_resolve_references()
-    config.rollout.rows = _ROWS.value
-  try:
-    RunSpec.from_config(config)
-  except ValueError as e:
-    raise AotError(str(e)) from None
+  if _ROWS.value is not None:  # checked like the config value
+    try:
+      spec = aot_target.with_rollout_rows(spec, _ROWS.value)
+    except ValueError as e:
+      raise AotError(str(e)) from None
   devices = _devices(topology)
   layout = default_layout("cpu") if topology == "cpu" else ap.TPU_CACHE_LAYOUT
   hbm = None if topology == "cpu" else hbm_per_device(devices)
-  layouts = run_layouts(config, devices, None, hbm)
+  layouts = run_layouts(spec, devices, None, hbm)
   chip = _chip(devices)
   try:
-    calls, measured, source = _calls(config, layouts.train)
-    model = step_time.CostModel(config, layouts, layout=layout,
+    calls, measured, source = _calls(spec, layouts.train)
+    model = step_time.CostModel(spec, layouts, layout=layout,
                                 log=lambda line: print(line, file=sys.stderr, flush=True))
   except ValueError as e:
     raise AotError(str(e)) from None
@@ -113,16 +111,16 @@ def run_estimate(config: ml_collections.ConfigDict, topology: str) -> str:
   phases = step_time.estimate(model, calls, chip, tuple(_PHASES.value))
   rows = ", ".join(f"{r} {model.rows(r)}" for r in ("policy", "simulator"))
   table = step_time.format_estimate(phases, chip, measured, header=(
-      f"step time on {topology} ({layouts.describe()}; cache rows {rows}, {layout_word(config)}), "
+      f"step time on {topology} ({layouts.describe()}; cache rows {rows}, {layout_word(spec)}), "
       f"{source}; {model.compiles} programs compiled"), layouts=step_time.phase_layouts(layouts))
-  floors = [f for f in (floor.decode_floor(config, calls, r, len(devices), chip)
+  floors = [f for f in (floor.decode_floor(spec, calls, r, len(devices), chip)
                         for r in ("policy", "simulator")) if f]
   seconds = {r: (phases[f"{r} decode"].seconds, phases[f"{r} decode"].seconds_with_links)
              for r in ("policy", "simulator") if f"{r} decode" in phases}
   floors = [f for f in floors if f.role in seconds]
   splits = {}
   for f in floors:
-    decode_model = ap._sampler_role(config, f.role)[0]
+    decode_model = ap._sampler_role(spec, f.role)[0]
     shard = run_plan.per_device_bytes(ap.abstract_params(decode_model, layouts.for_role(f.role))[1])
     splits[f.role] = floor.Split(*model.decode_bytes_line(f.role), floor.kv_bytes_per_slot(
         decode_model) * model.rows(f.role) / len(devices), shard)

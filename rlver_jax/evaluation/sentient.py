@@ -13,7 +13,6 @@ import time
 from typing import Sequence
 
 import jax
-import ml_collections
 import numpy as np
 from etils import epath
 from flax import nnx
@@ -151,14 +150,16 @@ def check_policy_checkpoint(path: str) -> None:
         f"first: python -m rlver_jax.export --workdir={path} --out=HF_DIR")
 
 
-def run(config: ml_collections.ConfigDict | EvaluationSpec, workdir: str) -> tuple[dict, dict[str, str]]:
-  """Evaluates config.policy on the selected profiles; returns (summary, output paths).
+def run(spec: EvaluationSpec, workdir: str) -> tuple[dict, dict[str, str]]:
+  """Evaluates spec.policy on the selected profiles; returns (summary, output paths).
 
-  `config` is the evaluation's spec or its ConfigDict, turned into the spec first. Every input is
+  `spec` is the evaluation's typed spec (`EvaluationSpec.from_config(config)`). Every input is
   checked before any model loads, and nothing is written before the end, so bad input leaves an
   existing workdir as it was.
   """
-  spec = config if isinstance(config, EvaluationSpec) else EvaluationSpec.from_config(config)
+  if not isinstance(spec, EvaluationSpec):
+    raise TypeError(f"evaluation.sentient.run takes an EvaluationSpec "
+                    f"(EvaluationSpec.from_config(config)), not {type(spec).__name__}")
   rollout = spec.rollout_config()
   check_workdir(workdir)
   check_policy_checkpoint(spec.policy.checkpoint)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import signal
 
 import jax
-import ml_collections
 import numpy as np
 from absl import logging
 
@@ -73,15 +72,16 @@ def _say(progress: Progress, line: str) -> None:
     progress.write(line)
 
 
-def run(config: ml_collections.ConfigDict | RunSpec, workdir: str, *,
-        ctrl_c: bool = False) -> dict[str, str]:
-  """Trains until config.total_steps (resuming from WORKDIR/checkpoints) or a SIGTERM (or, with
+def run(spec: RunSpec, workdir: str, *, ctrl_c: bool = False) -> dict[str, str]:
+  """Trains until spec.total_steps (resuming from WORKDIR/checkpoints) or a SIGTERM (or, with
   `ctrl_c`, a SIGINT); returns output paths, the step reached and `outcome` ("finished",
   "preempted" or "interrupted").
 
-  `config` is the run's spec, or its ConfigDict (notebooks, tests), turned into the spec here first:
-  a bad setting fails before anything loads."""
-  spec = config if isinstance(config, RunSpec) else RunSpec.from_config(config)
+  `spec` is the run's typed spec (`RunSpec.from_config(config)` of a ConfigDict: building it checks
+  every setting before anything loads)."""
+  if not isinstance(spec, RunSpec):
+    raise TypeError(f"train.loop.run takes a RunSpec (RunSpec.from_config(config)), not "
+                    f"{type(spec).__name__}")
   total = spec.total_steps
   guard = PreemptionGuard(ctrl_c)  # entered before the models load: a signal then stops the run too
   started: list[Trainer] = []

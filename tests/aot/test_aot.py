@@ -15,11 +15,11 @@ if importlib.util.find_spec("libtpu") is None:
   pytest.skip('libtpu is not installed (pip install "jax[tpu]==0.12.0.1")', allow_module_level=True)
 
 import jax  # noqa: E402
-import ml_collections  # noqa: E402
 
 from rlver_jax.aot import plan as run_plan  # noqa: E402
 from rlver_jax.aot import programs as ap  # noqa: E402
 from rlver_jax.aot import report as aot  # noqa: E402
+from rlver_jax.aot import target as aot_target  # noqa: E402
 from rlver_jax.aot import topology  # noqa: E402
 from rlver_jax.aot.programs import model_config  # noqa: E402
 from rlver_jax.models import presets  # noqa: E402
@@ -51,33 +51,33 @@ def topology_ok():
     pytest.skip(f"libtpu is not usable here: {e}")
 
 
-def _tiny(batch_size=8, seq_len=128):
+def _tiny(batch_size=8, seq_len=128) -> aot_target.ForwardSpec:
   config = _GET_CONFIG("tiny")
   with config.unlocked():
     config.forward.batch_size = batch_size
     config.forward.seq_len = seq_len
-  return config
+  return aot_target.from_config(config)
 
 
-def _expected_argument_bytes(config, fsdp: int) -> int:
+def _expected_argument_bytes(spec, fsdp: int) -> int:
   """Per-device bytes of bf16 params + int32 ids; every weight with a hidden-size dim is split fsdp ways."""
-  c = model_config(config.model)
+  c = model_config(spec.model)
   L, D, H, K, Dh, F, V = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                           c.intermediate_size, c.vocab_size)
   assert D % fsdp == 0 and not c.tie_word_embeddings
   split = L * (2 * D * H * Dh + 2 * D * K * Dh + 3 * D * F) + 2 * V * D   # weights, embedding, LM head
   whole = L * (2 * D + H * Dh + 2 * K * Dh) + D                          # norms and q/k/v biases
-  ids = config.forward.batch_size * config.forward.seq_len * 4 // fsdp
+  ids = spec.batch_size * spec.seq_len * 4 // fsdp
   return 2 * (split // fsdp + whole) + ids
 
 
 def test_forward_fits_and_counts_params(topology_ok):
-  config = _tiny()
-  (row,) = aot.report(config, "v5e:2x2")
+  spec = _tiny()
+  (row,) = aot.report(spec, "v5e:2x2")
   assert row.program == "forward" and row.mesh == (1, 4, 1)
   assert row.fits and row.error is None
-  assert row.argument_bytes == pytest.approx(_expected_argument_bytes(config, fsdp=4), rel=0.01)
-  vocab = model_config(config.model).vocab_size
+  assert row.argument_bytes == pytest.approx(_expected_argument_bytes(spec, fsdp=4), rel=0.01)
+  vocab = model_config(spec.model).vocab_size
   assert row.output_bytes == 8 * 128 * vocab * 4 // 4   # fp32 logits, batch split 4 ways
   assert row.hbm_bytes == 16 * 2**30
   assert "| forward | v5e:2x2 | 1x4x1 |" in aot.format_table([row])
@@ -134,7 +134,7 @@ def tiny_preset():
 
 def _tiny_run(name="grpo_think", backend="model"):
   """The runlocal config on the tiny preset (simulator with 1 layer), short caches (which also keep
-  the prefill chunk short: at most the cache length, bucketed)."""
+  the prefill chunk short: at most the cache length, bucketed); `_spec` reads it as the tool does."""
   config = _RUN_CONFIGS[name]("runlocal")
   config.policy.preset = "aot-test-tiny"
   config.simulator.preset = "aot-test-tiny:1"
@@ -144,11 +144,14 @@ def _tiny_run(name="grpo_think", backend="model"):
   return config
 
 
+_spec = aot_target.from_config
+
+
 @pytest.fixture(scope="module")
 def tiny_search(topology_ok, tiny_preset):
   """find_smallest over v5e for the tiny GRPO run: one compile of every program, shared by tests."""
   logs = []
-  found = aot.find_smallest(_tiny_run(), families=("v5e",), log=logs.append)
+  found = aot.find_smallest(_spec(_tiny_run()), families=("v5e",), log=logs.append)
   return found["v5e"], logs
 
 
@@ -161,8 +164,7 @@ def test_find_smallest_on_a_run_config_returns_first_candidate(tiny_search):
 
 def test_whole_run_table_has_every_program_and_the_run_total(tiny_search):
   found, _ = tiny_search
-  config = _tiny_run()
-  programs = run_plan.run_programs(config)
+  programs = run_plan.run_programs(_spec(_tiny_run()))
   assert programs == ("policy_prefill", "policy_append", "policy_decode", "simulator_prefill",
                       "simulator_append", "simulator_decode", "grpo_update", "policy_reshard")
   assert tuple(r.program for r in found.rows) == programs
@@ -188,8 +190,8 @@ def test_whole_run_table_has_every_program_and_the_run_total(tiny_search):
 def test_run_program_arguments_match_the_resident_state(tiny_search):
   """Compiled argument sizes agree with the plan's abstract sizes (the plan counts them once)."""
   found, _ = tiny_search
-  config = _tiny_run()
-  state = run_plan.Plan(config, aot.run_layouts(config, topology.get_topology("v5e:1x1")),
+  spec = _spec(_tiny_run())
+  state = run_plan.Plan(spec, aot.run_layouts(spec, topology.get_topology("v5e:1x1")),
                         16 * 2**30).state
   rows = {r.program: r for r in found.rows}
   policy = state["rollout"]["policy decode copy"] + state["rollout"]["policy KV cache"]
@@ -209,8 +211,9 @@ def test_planned_cache_bytes_follow_the_rollout_rows(tiny_preset):
   plans = {}
   for rows in (0, 8, 4, 2):
     config.rollout.rows = rows
-    plans[rows] = run_plan.Plan(config, aot.run_layouts(config, devices), 16 * 2**30).state["rollout"]
-    assert ap.rollout_rows(config, mesh) == (rows or 8)
+    spec = _spec(config)
+    plans[rows] = run_plan.Plan(spec, aot.run_layouts(spec, devices), 16 * 2**30).state["rollout"]
+    assert ap.rollout_rows(spec, mesh) == (rows or 8)
   c = _TINY
   # A simulator row (1 layer, fp32 as in runlocal): k and v of 256 slots, and its int32 length.
   sim_row = 2 * 1 * 256 * c.num_kv_heads * c.head_dim * 4 + 4
@@ -225,9 +228,10 @@ def test_planned_cache_bytes_follow_the_rollout_rows(tiny_preset):
 def test_resident_state_counts_per_device_shards(tiny_preset):
   config = _tiny_run("ppo_think")
   config.simulator.mesh = config.rollout.policy_mesh = "train"   # every model FSDP over 4
+  spec = _spec(config)
   devices = topology.get_topology("v5e:2x2")
   mesh = make_mesh(MeshConfig(), devices)
-  state = run_plan.Plan(config, aot.run_layouts(config, devices), 16 * 2**30).state
+  state = run_plan.Plan(spec, aot.run_layouts(spec, devices), 16 * 2**30).state
   rollout, update = state["rollout"], state["update"]
   assert set(rollout) - set(update) == {"policy KV cache"}
   assert set(update) == {"policy params", "policy optimizer", "critic params", "critic optimizer",
@@ -238,22 +242,21 @@ def test_resident_state_counts_per_device_shards(tiny_preset):
   # padded to 4 cache rows like the rollout's (4 fsdp devices could not split 2): one row per
   # device, and its length (unpadded, every device held both rows).
   c = _TINY
-  assert ap.num_dialogues(config) == 2 and ap.rollout_rows(config, mesh) == 4
-  assert config.simulator.dtype == "float32"
+  assert ap.num_dialogues(spec) == 2 and ap.rollout_rows(spec, mesh) == 4
+  assert spec.simulator.dtype == "float32"
   assert update["simulator KV cache"] == 2 * 1 * 1 * 256 * c.num_kv_heads * c.head_dim * 4 + 1 * 4
   # The update's micro-batch has micro_batch_size (2) rows per batch shard, but no more than a
   # mini-batch needs: its 2 rows (2 dialogues, 2 turns: mini-batches of 2 rows) take one row on
   # each of the 4 fsdp devices, not 2 x 4.
-  batch = ap.abstract_batch(config, mesh).tokens
-  assert ap.mini_batches(config) == 2
+  batch = ap.abstract_batch(spec, mesh).tokens
+  assert ap.mini_batches(spec) == 2
   assert batch.shape == (1, 4, 256) and batch.sharding.shard_shape(batch.shape) == (1, 1, 256)
 
 
 def test_sampler_programs_compile_the_tpu_cache_layout(tiny_preset):
   """The plan compiles for TPU from a CPU process: its caches take the TPU layout, not the host's."""
-  config = _tiny_run()
   mesh = make_mesh(MeshConfig(), topology.get_topology("v5e:1x1"))
-  _, args = ap.PROGRAMS["simulator_decode"](config, mesh)
+  _, args = ap.PROGRAMS["simulator_decode"](_spec(_tiny_run()), mesh)
   caches = [a for a in args if isinstance(a, KVCache)]
   assert len(caches) == 1 and caches[0].layout == "slots_major" == default_layout("tpu")
   c = _TINY
@@ -262,14 +265,15 @@ def test_sampler_programs_compile_the_tpu_cache_layout(tiny_preset):
 
 
 def test_run_programs_and_update_shapes():
-  grpo, ppo, nothink = (_RUN_CONFIGS[n]() for n in ("grpo_think", "ppo_think", "grpo_nothink"))
+  grpo, ppo, nothink = (_spec(_RUN_CONFIGS[n]()) for n in ("grpo_think", "ppo_think", "grpo_nothink"))
   # A serving layout for the policy ('auto') adds the reshard of its decode copy after the update.
   assert run_plan.update_programs(ppo) == ("ppo_policy_update", "ppo_critic_update", "policy_reshard")
-  with ppo.unlocked():  # a server the plan never calls (the run spec requires one for http)
-    ppo.simulator.backend = "http"
-    ppo.simulator.http_base_url, ppo.simulator.http_model = "http://127.0.0.1:9/v1", "m"
-    ppo.rollout.policy_mesh = "train"   # decode from the training params: no copy, no reshard
-  assert run_plan.run_programs(ppo) == ("policy_prefill", "policy_append", "policy_decode",
+  http = _RUN_CONFIGS["ppo_think"]()
+  with http.unlocked():  # a server the plan never calls (the run spec requires one for http)
+    http.simulator.backend = "http"
+    http.simulator.http_base_url, http.simulator.http_model = "http://127.0.0.1:9/v1", "m"
+    http.rollout.policy_mesh = "train"   # decode from the training params: no copy, no reshard
+  assert run_plan.run_programs(_spec(http)) == ("policy_prefill", "policy_append", "policy_decode",
                                        "ppo_policy_update", "ppo_critic_update")
   # Think mode drops thoughts, so every turn is a sample: 32 profiles x 4 x 9 turns = 1152 rows in
   # mini-batches of 128 rows (9 updates), each 32 micro-batches of 4; no-think: 128 rows, one update.
@@ -281,13 +285,14 @@ def test_run_programs_and_update_shapes():
 
 
 def test_preset_with_a_layer_count():
-  c = model_config(ml_collections.ConfigDict({"preset": "qwen2.5-0.5b:2"}))
+  c = model_config(aot_target.ModelShape("qwen2.5-0.5b:2"))
   assert c.num_layers == 2 and c.hidden_size == presets.PRESETS["qwen2.5-0.5b"].hidden_size
+  assert model_config(aot_target.ModelShape("qwen2.5-0.5b", num_layers=3)).num_layers == 3
 
 
 def test_programs_filter_rejects_unknown_names():
   with pytest.raises(topology.AotError, match="'forward' is not one of this config's"):
-    aot.program_names(_RUN_CONFIGS["grpo_think"](), ["forward"])
+    aot.program_names(_spec(_RUN_CONFIGS["grpo_think"]()), ["forward"])
   assert aot.program_names(_tiny(), ["forward"]) == ("forward",)
 
 
@@ -301,6 +306,7 @@ def test_update_plan_uses_the_trainers_padded_shapes():
   with config.unlocked():
     config.policy.max_context = 10000
     config.rl.profiles_per_step = 40  # 160 dialogues: 40 micro-batches of 4 before padding
+  config = _spec(config)
   micro, mini = ap.micro_batch_rows(config), ap.mini_batches(config)
   samples = [Sample(0, [1] * config.policy.max_context, [1] * config.policy.max_context,
                     [0.0] * config.policy.max_context, [0])] * ap.num_samples(config)
@@ -311,9 +317,20 @@ def test_update_plan_uses_the_trainers_padded_shapes():
   assert packed == (ap.micro_batches(config) * micro, ap.packed_length(config)) == (192, 12288)
 
 
-def test_bad_training_config_values_are_one_line_errors(topology_ok):
+def test_bad_config_values_are_one_line_errors():
+  """The tool reads a config as the trainer does (its RunSpec): a value training would refuse is
+  refused before any compile (a zero micro-batch was a ZeroDivisionError), naming the key."""
   config = _RUN_CONFIGS["grpo_think"]()
   with config.unlocked():
     config.rl.micro_batch_size = 0
-  with pytest.raises(topology.AotError, match=r"config\.rl\.micro_batch_size=0"):
-    aot.evaluate(config, "v5e:2x2")  # refused before any compile (was a ZeroDivisionError)
+  with pytest.raises(ValueError, match=r"config\.rl\.micro_batch_size=0"):
+    _spec(config)
+  forward = _GET_CONFIG("tiny")
+  with forward.unlocked():
+    forward.forward.seq_len = 0
+  with pytest.raises(ValueError, match=r"config\.forward\.seq_len=0: must be an integer >= 1"):
+    _spec(forward)
+  with forward.unlocked():
+    forward.forward.seq_len, forward.model.colour = 8, "red"
+  with pytest.raises(ValueError, match="aot config: .*colour"):
+    _spec(forward)

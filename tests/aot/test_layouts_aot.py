@@ -10,6 +10,7 @@ import test_aot
 from rlver_jax.aot import layouts as aot_layouts
 from rlver_jax.aot import plan as run_plan
 from rlver_jax.aot import step_time
+from rlver_jax.aot.target import from_config as _spec
 from rlver_jax.aot.chips import CHIPS
 from rlver_jax.aot.report import run_layouts
 from rlver_jax.aot.topology import AotError
@@ -40,9 +41,10 @@ def _split_bytes() -> int:
 def _decode_link_bytes(config, policy_mesh: str) -> float:
   config.rollout.policy_mesh = policy_mesh
   config.policy.max_context = 64   # one window: one compile
-  layouts = run_layouts(config, jax.devices())
-  model = step_time.CostModel(config, layouts)
-  window = config.policy.max_context
+  spec = _spec(config)
+  layouts = run_layouts(spec, jax.devices())
+  model = step_time.CostModel(spec, layouts)
+  window = spec.policy.max_context
   return model.sampler_call("policy", "decode", None, window).link_bytes
 
 
@@ -63,18 +65,18 @@ def test_reshard_moves_what_the_shardings_say_by_hand(tiny):
   for policy_mesh, share in (("8x1x1", 7 / 8),     # replicated: each device lacks 7 of 8 row blocks
                              ("4x1x2", 7 / 16)):   # half the columns, of which it held 1/8 of rows
     tiny.rollout.policy_mesh = policy_mesh
-    layouts = run_layouts(tiny, jax.devices())
-    cost = step_time.CostModel(tiny, layouts).reshard()
+    layouts = run_layouts(_spec(tiny), jax.devices())
+    cost = step_time.CostModel(_spec(tiny), layouts).reshard()
     assert cost.link_bytes == pytest.approx(share * _split_bytes()), policy_mesh
   tiny.rollout.policy_mesh = "train"   # no copy: nothing resharded, no phase
-  layouts = run_layouts(tiny, jax.devices())
-  assert not layouts.policy_copy and "policy_reshard" not in run_plan.update_programs(tiny)
+  layouts = run_layouts(_spec(tiny), jax.devices())
+  assert not layouts.policy_copy and "policy_reshard" not in run_plan.update_programs(_spec(tiny))
 
 
 def test_the_estimate_names_each_phases_layout(tiny):
   tiny.rollout.policy_mesh = "auto"
   tiny.simulator.mesh = "2x2x2"
-  layouts = run_layouts(tiny, jax.devices())
+  layouts = run_layouts(_spec(tiny), jax.devices())
   assert layouts.describe() == ("train 1x8x1, policy decode 4x1x2 (decode copy), simulator decode "
                                 "2x2x2 (data x fsdp x tensor)")
   table = step_time.format_estimate({p: step_time.PhaseTime() for p in step_time.PHASES},
@@ -85,7 +87,7 @@ def test_the_estimate_names_each_phases_layout(tiny):
     assert row in table
   tiny.simulator.mesh = "1x1x8"   # 2 kv heads: refused, naming the key
   with pytest.raises(AotError, match=r"config\.simulator\.mesh='1x1x8': tensor=8 does not divide"):
-    run_layouts(tiny, jax.devices())
+    run_layouts(_spec(tiny), jax.devices())
 
 
 def test_resident_state_puts_each_model_on_its_mesh(tiny):
@@ -93,9 +95,10 @@ def test_resident_state_puts_each_model_on_its_mesh(tiny):
   split only over their tensor axis (2), each KV cache over rows x kv heads (8)."""
   tiny.simulator.mesh = "auto"
   tiny.rollout.policy_mesh = "auto"
-  layouts = run_layouts(tiny, jax.devices())
-  state = run_plan.resident_state(tiny, layouts)
-  whole = aot_layouts.weight_bytes(aot_layouts.ap.policy_model(tiny))
+  spec = _spec(tiny)
+  layouts = run_layouts(spec, jax.devices())
+  state = run_plan.resident_state(spec, layouts)
+  whole = aot_layouts.weight_bytes(aot_layouts.ap.policy_model(spec))
   assert state["update"]["policy decode copy"] == pytest.approx(whole / 2, rel=0.02)
   assert state["update"]["policy params"] == pytest.approx(whole / 8, rel=0.02)
   assert set(state["rollout"]) - set(state["update"]) == {"policy KV cache"}
@@ -119,10 +122,11 @@ def test_a_resident_tp8_simulator_costs_13_gib_more_per_chip_than_fsdp_on_v5p_64
   for value in ("auto", "train"):
     with config.unlocked():
       config.simulator.mesh = value
-    layouts = run_layouts(config, devices, None, hbm_per_device(devices))
-    sims[value] = run_plan.resident_state(config, layouts)["update"]["simulator params"]
+    spec = _spec(config)
+    layouts = run_layouts(spec, devices, None, hbm_per_device(devices))
+    sims[value] = run_plan.resident_state(spec, layouts)["update"]["simulator params"]
   assert layouts.shape("simulator") == "1x32x1"
-  whole = aot_layouts.weight_bytes(aot_layouts.ap.simulator_model(config))
+  whole = aot_layouts.weight_bytes(aot_layouts.ap.simulator_model(spec))
   assert sims["auto"] - sims["train"] == pytest.approx(whole * (1 / 8 - 1 / 32), rel=0.01)
   assert 12.5 < (sims["auto"] - sims["train"]) / 2**30 < 13.5
 
@@ -131,9 +135,9 @@ def test_the_decode_floor_counts_an_int8_cache_in_int8_bytes_plus_its_scales(tin
   """Hand-computed per slot and row, every layer: k and v of each kv head, in the cache's dtype
   (fp32 under runlocal), and in int8 with one fp32 scale per token and kv head."""
   from rlver_jax.aot import floor, programs as ap
-  c = ap.model_config(ap.simulator_model(tiny))   # runlocal's simulator keeps 1 of the 2 layers
+  c = ap.model_config(ap.simulator_model(_spec(tiny)))   # runlocal's simulator: 1 of the 2 layers
   L, K, Dh = c.num_layers, _T.num_kv_heads, _T.head_dim
   assert (c.num_kv_heads, c.head_dim) == (K, Dh)
-  assert floor.kv_bytes_per_slot(ap.simulator_model(tiny)) == 2 * L * K * Dh * 4
+  assert floor.kv_bytes_per_slot(ap.simulator_model(_spec(tiny))) == 2 * L * K * Dh * 4
   tiny.simulator.kv_dtype = "int8"
-  assert floor.kv_bytes_per_slot(ap.simulator_model(tiny)) == 2 * L * K * (Dh + 4)
+  assert floor.kv_bytes_per_slot(ap.simulator_model(_spec(tiny))) == 2 * L * K * (Dh + 4)

@@ -13,6 +13,7 @@ from absl import flags
 from absl.testing import flagsaver
 
 from rlver_jax.aot import step_calls, step_time, step_time_cli
+from rlver_jax.aot import target as aot_target
 from rlver_jax.aot.chips import CHIPS, ChipSpec, chip_for_kind
 from rlver_jax.aot.step_time import Cost, PhaseTime, extrapolate
 
@@ -23,6 +24,15 @@ _LINKED = ChipSpec("test", flops_per_s=1e12, bytes_per_s=1e9, link_bytes_per_s=1
 
 def _config(name="grpo_think", arg="runlocal"):
   return runpy.run_path(str(_REPO / "configs" / f"{name}.py"))["get_config"](arg)
+
+
+def _spec(name="grpo_think", arg="runlocal", **sections):
+  """The run spec of a config, with `sections` = {"policy": {key: value}} overriding it."""
+  config = _config(name, arg)
+  for section, values in sections.items():
+    for key, value in values.items():
+      setattr(getattr(config, section), key, value)
+  return aot_target.from_config(config)
 
 
 def test_roofline_seconds_by_hand():
@@ -82,7 +92,7 @@ def test_extrapolation_to_depth_and_window_by_hand():
 
 class _FixedCosts:
   """A CostModel stand-in with one cost per program kind (no compiling)."""
-  config = _config("ppo_think")
+  spec = _spec("ppo_think")
 
   def sampler_call(self, role, kind, tokens, window):
     return Cost(0, window * (1e6 if kind == "decode" else 1e3 * tokens))
@@ -155,7 +165,7 @@ def test_stated_calls_follow_the_lockstep_rollout_by_hand():
   lengths = step_calls.StatedLengths(turns=2, policy_tokens=32, reply_tokens=20, user_tokens=30,
                                      simulator_tokens=40, policy_prompt=100, simulator_prompt=120,
                                      instruction_tokens=30)
-  calls = step_calls.stated_calls(_config(), lengths)
+  calls = step_calls.stated_calls(_spec(), lengths)
   assert calls == {
       "policy/prefill/T256/W64": 1,       # 100 prompt tokens into an empty cache
       "policy/decode_steps/W256": 64,     # 32 steps from 100 (window 132 -> 256), then from 151
@@ -179,10 +189,8 @@ def test_stated_calls_follow_decode_segments_by_hand():
   lengths = step_calls.StatedLengths(turns=2, policy_tokens=32, reply_tokens=20, user_tokens=30,
                                      simulator_tokens=40, policy_prompt=100, simulator_prompt=120,
                                      instruction_tokens=30)
-  config = _config()
-  whole = step_calls.stated_calls(config, lengths)
-  config.policy.decode_segment, config.policy.window_step = 16, 128
-  calls = step_calls.stated_calls(config, lengths)
+  whole = step_calls.stated_calls(_spec(), lengths)
+  calls = step_calls.stated_calls(_spec(policy=dict(decode_segment=16, window_step=128)), lengths)
   # From 100: 16 steps reaching 116 (window 128), 16 reaching 132 (256); from 151: 167, 183 (256).
   assert calls["policy/decode_steps/W128"] == 16 and calls["policy/decode_steps/W256"] == 48
   assert whole["policy/decode_steps/W256"] == 64 and "policy/decode_steps/W128" not in whole
@@ -195,21 +203,19 @@ def test_stated_calls_follow_continuous_batching_by_hand():
   """6 dialogues (3 groups of 2) on 4 rows: 2 groups at once, all of one length, so their rows free
   up together and the third group runs alone after them: every sampler call twice (at 4 rows)."""
   lengths = step_calls.StatedLengths(2, 32, 20, 30, 40, 100, 120, 30)
-  config = _config()
-  config.rl.profiles_per_step = 3
-  lockstep = step_calls.stated_calls(config, lengths)
-  assert lockstep["policy/prefill/T256/W64"] == 1 and step_calls.waves(config) == 1
+  spec = _spec(rl=dict(profiles_per_step=3))
+  lockstep = step_calls.stated_calls(spec, lengths)
+  assert lockstep["policy/prefill/T256/W64"] == 1 and step_calls.waves(spec) == 1
   for rows, waves in ((4, 2), (5, 2), (2, 3), (6, 1)):  # 5: a group never splits, 1 row idles
-    config.rollout.rows = rows
-    assert step_calls.waves(config) == waves
-    calls = step_calls.stated_calls(config, lengths)
+    spec = aot_target.with_rollout_rows(spec, rows)
+    assert step_calls.waves(spec) == waves
+    calls = step_calls.stated_calls(spec, lengths)
     for key, n in lockstep.items():
       assert calls[key] == (n if key.startswith(("update/", "forward/")) else waves * n), key
   assert set(calls) == set(lockstep)
   # The layout word of the estimate's header.
-  assert step_time_cli.layout_word(config) == "continuous, 6 rows"
-  config.rollout.rows = 0
-  assert step_time_cli.layout_word(config) == "lockstep"
+  assert step_time_cli.layout_word(spec) == "continuous, 6 rows"
+  assert step_time_cli.layout_word(aot_target.with_rollout_rows(spec, 0)) == "lockstep"
 
 
 def test_calls_from_metrics_reads_a_step_and_names_a_bad_file(tmp_path):

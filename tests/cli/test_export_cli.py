@@ -15,6 +15,7 @@ from flax import nnx
 import tiny_world
 from hf_checkpoints import hf_from_pretrained, torch_logits
 from rlver_jax.train import loop as train
+from rlver_jax.spec import RunSpec
 from rlver_jax.run import trained_policy
 from rlver_jax.run.checkpoint import abstract_like
 from rlver_jax.models import load_pretrained
@@ -39,7 +40,7 @@ def run(tmp_path_factory):
   root = tmp_path_factory.mktemp("export")
   world = tiny_world.make_world(root / "world")
   workdir = root / "run"
-  train.run(_config(world), str(workdir))
+  train.run(RunSpec.from_config(_config(world)), str(workdir))
   return {"world": world, "workdir": str(workdir), "root": root}
 
 
@@ -188,7 +189,7 @@ def test_a_ppo_runs_export_is_its_policy_not_its_critic(run, tmp_path):
   """A PPO checkpoint also holds a critic and two optimizer states: export restores the policy alone."""
   config = tiny_world.training_config(run["world"], "ppo", total_steps=1)
   workdir, out = tmp_path / "ppo", tmp_path / "hf"
-  train.run(config, str(workdir))
+  train.run(RunSpec.from_config(config), str(workdir))
   assert trained_policy.export(str(workdir), str(out)) == 1
   trainer = tiny_world.trainer(config, str(workdir))
   assert trainer.restore_if_any()

@@ -86,7 +86,7 @@ def test_config_defaults_and_runlocal():
 @pytest.mark.parametrize("start_emotion", [40, 2])
 def test_summary_agrees_with_transcripts(world, tmp_path, start_emotion):
   config = _config(world, **{"eval.start_emotion": start_emotion})
-  summary, paths = eval_run.run(config, str(tmp_path))
+  summary, paths = eval_run.run(EvaluationSpec.from_config(config), str(tmp_path))
   assert summary == _read(tmp_path)[0]
   summary, transcripts = _read(tmp_path)
   assert [t["profile_id"] for t in transcripts] == [p[0] for p in _PROFILES]
@@ -168,7 +168,7 @@ def _existing_outputs(workdir: pathlib.Path) -> dict[str, str]:
 def test_bad_input_leaves_workdir_alone(world, tmp_path, key, value, message):
   files = _existing_outputs(tmp_path)
   with pytest.raises(ValueError, match=message.replace(".", r"\.")):
-    eval_run.run(_config(world, **{key: value}), str(tmp_path))
+    eval_run.run(EvaluationSpec.from_config(_config(world, **{key: value})), str(tmp_path))
   assert {n: (tmp_path / n).read_text() for n in files} == files
   assert sorted(os.listdir(tmp_path)) == sorted(files)
 
@@ -178,9 +178,10 @@ def test_training_dirs_are_refused(world, tmp_path):
   (run / "checkpoints").mkdir(parents=True)
   (run / "config.json").write_text(json.dumps({"rl": {}, "policy": {}, "eval": {"num_profiles": 2}}))
   with pytest.raises(ValueError, match="rlver_jax.export"):  # a training run is not an HF checkpoint
-    eval_run.run(_config(world, **{"policy.checkpoint": str(run)}), str(tmp_path / "eval"))
+    spec = EvaluationSpec.from_config(_config(world, **{"policy.checkpoint": str(run)}))
+    eval_run.run(spec, str(tmp_path / "eval"))
   with pytest.raises(ValueError, match="another kind of run"):  # nor a place for eval outputs
-    eval_run.run(_config(world), str(run))
+    eval_run.run(EvaluationSpec.from_config(_config(world)), str(run))
   assert sorted(os.listdir(run)) == ["checkpoints", "config.json"]
 
 

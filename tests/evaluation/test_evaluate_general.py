@@ -21,6 +21,7 @@ import tiny_world  # noqa: E402
 from rlver_jax.cli import errors as cli_errors  # noqa: E402
 from rlver_jax.evaluation import general as general_eval  # noqa: E402
 from rlver_jax.train import loop as train  # noqa: E402
+from rlver_jax.spec import RunSpec  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -64,7 +65,7 @@ def run(tmp_path_factory):
   root = tmp_path_factory.mktemp("general")
   world = tiny_world.make_world(root / "world")
   config = tiny_world.training_config(world, "grpo", **{"total_steps": 1, "checkpoint.every_steps": 1})
-  train.run(config, str(root / "run"))
+  train.run(RunSpec.from_config(config), str(root / "run"))
   return {"world": world, "workdir": str(root / "run")}
 
 

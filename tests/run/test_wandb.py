@@ -79,7 +79,7 @@ def test_a_run_logs_its_scalars_config_plot_and_transcripts_to_wandb(offline, tm
       "eval.every_steps": 1, "data.num_holdout": 1, "eval.num_profiles": 1, "eval.max_turns": 2,
       "log.transcripts_every": 1, "log.wandb_project": "t", "log.wandb_run_name": "tiny"})
   from rlver_jax.train import loop as train
-  train.run(config, str(workdir))
+  train.run(RunSpec.from_config(config), str(workdir))
   (records,) = _runs(offline)
   run = _run_record(records)
   assert run.project == "t" and run.display_name == "tiny"

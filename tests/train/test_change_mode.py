@@ -11,6 +11,7 @@ import forced_simulator
 import tiny_world
 from rlver_jax import build
 from rlver_jax.train import loop as train
+from rlver_jax.spec import RunSpec
 from rlver_jax.train.summary import late_excerpt
 
 
@@ -34,7 +35,7 @@ def test_grpo_step_with_expected_changes(world, tmp_path, monkeypatch):
       "simulator.max_new_tokens": 16, "simulator.max_context": 2048, "simulator.dtype": "float32",
       "simulator.change_mode": "expected", "log.transcripts_every": 1,
       "rl.profiles_per_step": 2, "rl.group_size": 2})
-  train.run(config, str(tmp_path))
+  train.run(RunSpec.from_config(config), str(tmp_path))
   row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
   assert row["parse_failures"] == 0
   assert all(math.isfinite(v) for v in row.values() if isinstance(v, float))

@@ -6,6 +6,7 @@ import pytest
 import crash_anywhere
 import tiny_world
 from rlver_jax.train import loop as train
+from rlver_jax.spec import RunSpec
 
 
 @pytest.fixture(scope="module")
@@ -19,5 +20,5 @@ def test_sigkill_anywhere_then_the_same_command_equals_a_straight_run(world, tmp
   assert len(landed) == 2  # one at a random time into a step, one during a checkpoint commit
   steps = max(r["step"] for r in crash_anywhere.metrics(tmp_path / "crashed"))
   cfg = tiny_world.training_config(world, "grpo", total_steps=steps, **{"checkpoint.every_steps": 1})
-  train.run(cfg, str(tmp_path / "straight"))  # in-process: the same program as the CLI's
+  train.run(RunSpec.from_config(cfg), str(tmp_path / "straight"))  # in-process: the same program as the CLI's
   crash_anywhere.compare(world, tmp_path / "straight", tmp_path / "crashed", steps)

@@ -124,7 +124,7 @@ def test_one_training_step_refills_from_the_data_stream_and_resumes_like_a_strai
     return out
   monkeypatch.setattr(Trainer, "make_batch", recording)
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  train.run(cfg(2), str(straight))
+  train.run(RunSpec.from_config(cfg(2)), str(straight))
   m = _metrics(straight)
   for row in m:
     assert (row["dynamic_sampling/extra_rounds"], row["dynamic_sampling/extra_dialogues"],
@@ -141,8 +141,8 @@ def test_one_training_step_refills_from_the_data_stream_and_resumes_like_a_strai
   assert [s[0] * s[1] for s in shapes] == [rows, rows]
 
   calls.clear()
-  train.run(cfg(1), str(resumed))
-  train.run(cfg(2), str(resumed))
+  train.run(RunSpec.from_config(cfg(1)), str(resumed))
+  train.run(RunSpec.from_config(cfg(2)), str(resumed))
   assert [r["reward_mean"] for r in m] == [r["reward_mean"] for r in _metrics(resumed)]
   assert ((straight / "transcripts/step_000002.jsonl").read_text()
           == (resumed / "transcripts/step_000002.jsonl").read_text())

@@ -15,6 +15,7 @@ import tiny_world
 from rlver_jax.parallel.sharding import host_array
 from rlver_jax.rl.update import Updater
 from rlver_jax.train import loop as train
+from rlver_jax.spec import RunSpec
 
 CAP = 1.1  # low enough that on this rollout every kind of correction has something to do
 MISMATCH_KEYS = ("mismatch/kl", "mismatch/kl_k1", "mismatch/log_ratio_abs_max",
@@ -114,7 +115,8 @@ def _rows(workdir):
      "rl.is_correction": "geo_mask", "rl.is_cap": 1.5},
     {"policy.temperature": 0.7, "rl.policy_loss": "cispo", "rl.tis_cap": 2.0}])
 def test_every_run_logs_the_mismatch(world, tmp_path, extra):
-  train.run(tiny_world.training_config(world, "grpo", total_steps=2, **extra), str(tmp_path))
+  config = tiny_world.training_config(world, "grpo", total_steps=2, **extra)
+  train.run(RunSpec.from_config(config), str(tmp_path))
   rows = _rows(tmp_path)
   assert len(rows) == 2
   events = b"".join(p.read_bytes() for p in (tmp_path / "tensorboard").glob("events.out.tfevents.*"))

@@ -83,7 +83,7 @@ def test_trainers_batch_is_the_abstract_batch_the_aot_plan_compiles(world, tmp_p
   from rlver_jax.aot import programs as ap
   from rlver_jax.rl.batch import UpdateBatch
   trainer, dialogues, batch, _, _ = _rollout_and_batch(world, tmp_path, algo, **extra)
-  config = tiny_world.training_config(world, algo, **{"total_steps": 1, **extra})  # the trainer's
+  config = trainer.spec   # the plan reads the run's spec, as the trainer does
   mini = trainer.policy_up.weighted(batch.mini_batch(0))
   rl = trainer.spec.rl
   want = UpdateBatch.abstract(mini.tokens.shape, trainer.mesh, values=algo == "ppo",

@@ -13,6 +13,7 @@ import pytest
 
 import tiny_world
 from rlver_jax.train import loop as train
+from rlver_jax.spec import RunSpec
 from rlver_jax.train.summary import reward_start_end, summary_lines
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -52,7 +53,7 @@ def _table(markdown: str) -> list[list[str]]:
 def test_held_out_dialogues_go_to_tensorboard_as_text_with_their_emotions(world, tmp_path):
   config = tiny_world.training_config(world, "grpo", total_steps=2, **{
       "eval.every_steps": 1, "data.num_holdout": 1, "eval.num_profiles": 1, "eval.max_turns": 2})
-  train.run(config, str(tmp_path))
+  train.run(RunSpec.from_config(config), str(tmp_path))
   rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   board = _board(tmp_path)
   texts = {t: v for t, v in board.items() if t.startswith("eval/dialogue/")}
@@ -87,7 +88,7 @@ def test_the_trainer_warns_about_a_step_without_signal(world, tmp_path, caplog):
       "policy.max_new_tokens": 1, "simulator.max_turns": 1, "simulator.start_emotion": 0,
       "data.profiles": str(profiles)})
   with caplog.at_level("WARNING"):
-    train.run(config, str(tmp_path))
+    train.run(RunSpec.from_config(config), str(tmp_path))
   row = json.loads((tmp_path / "metrics.jsonl").read_text())
   lines = [r.getMessage() for r in caplog.records if "no learning signal" in r.getMessage()]
   assert row["reward_std"] == 0  # the premise: no group has any reward variance

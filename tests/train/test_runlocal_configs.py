@@ -18,6 +18,7 @@ _SCRIPT = """
 import gc, importlib.util, sys
 import jax
 from rlver_jax.train import loop as train
+from rlver_jax.spec import RunSpec
 for name, arg, workdir in zip(sys.argv[1::3], sys.argv[2::3], sys.argv[3::3]):
   spec = importlib.util.spec_from_file_location(name, f"configs/{name}.py")
   module = importlib.util.module_from_spec(spec)
@@ -29,7 +30,7 @@ for name, arg, workdir in zip(sys.argv[1::3], sys.argv[2::3], sys.argv[3::3]):
   config.policy.max_new_tokens = 12
   config.simulator.max_new_tokens = 16
   config.log.progress_bar = False
-  print(name, train.run(config, workdir), flush=True)
+  print(name, train.run(RunSpec.from_config(config), workdir), flush=True)
   # Free this config's programs before the next: four runs' worth in one process reached 9.6 GB and
   # was killed by the OOM killer beside the other test worker (the persistent cache still serves them).
   jax.clear_caches()

@@ -12,6 +12,7 @@ import pytest
 
 import tiny_world
 from rlver_jax.train import loop as train
+from rlver_jax.spec import RunSpec
 from rlver_jax import build
 from rlver_jax.run.checkpoint import Checkpointer
 from rlver_jax.env import backends
@@ -99,7 +100,7 @@ def test_simulator_error_dialogues_get_no_weight_and_leave_the_group_statistics(
 def test_a_step_run_with_some_simulator_errors_reports_them(world, tmp_path, monkeypatch):
   fake = _Failing(fail_rows=[3], after=1)
   monkeypatch.setattr(build, "simulator_backend", lambda *args, **kwargs: fake)
-  train.run(tiny_world.training_config(world, "grpo", total_steps=1), str(tmp_path))
+  train.run(RunSpec.from_config(tiny_world.training_config(world, "grpo", total_steps=1)), str(tmp_path))
   row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
   assert row["simulator/error_dialogues"] == 1 and row["termination/simulator_error"] == 1 / 16
 
@@ -110,7 +111,7 @@ def test_too_many_simulator_errors_stop_the_run_after_saving(world, tmp_path, mo
   monkeypatch.setattr(build, "simulator_backend", lambda *args, **kwargs: fake)
   cfg = tiny_world.training_config(world, "grpo", total_steps=3, **{"checkpoint.every_steps": 100})
   with pytest.raises(train.TooManySimulatorErrors) as e:
-    train.run(cfg, str(tmp_path / "run"))
+    train.run(RunSpec.from_config(cfg), str(tmp_path / "run"))
   message = str(e.value)
   assert "step 2: 16 of 16 dialogues (100%) ended with simulator_error" in message
   assert "simulator.max_failed_share=0.5" in message and "HTTP 503" in message
@@ -123,7 +124,7 @@ def test_too_many_simulator_errors_stop_the_run_after_saving(world, tmp_path, mo
 def _calls_per_step(world, workdir, monkeypatch):
   probe = _Failing()
   monkeypatch.setattr(build, "simulator_backend", lambda *args, **kwargs: probe)
-  train.run(tiny_world.training_config(world, "grpo", total_steps=1), str(workdir))
+  train.run(RunSpec.from_config(tiny_world.training_config(world, "grpo", total_steps=1)), str(workdir))
   return probe.calls
 
 
@@ -164,7 +165,7 @@ def test_a_nonsense_http_simulator_shows_in_the_metrics(world, tmp_path):
     old = monkey_backoff.default
     monkey_backoff.default = 0.01  # no 1 s back-off per retried 500 in a test
     try:
-      train.run(cfg, str(tmp_path))
+      train.run(RunSpec.from_config(cfg), str(tmp_path))
     finally:
       monkey_backoff.default = old
   finally:

@@ -16,6 +16,7 @@ import pytest
 import tiny_world
 from rlver_jax.rl.pack import pack
 from rlver_jax.train import loop as train
+from rlver_jax.spec import RunSpec
 from rlver_jax.train import trainer as trainer_module
 from rlver_jax.run.checkpoint import Checkpointer
 from rlver_jax.train.preemption import PREEMPTED_EXIT
@@ -38,7 +39,7 @@ def _metrics(workdir):
 @pytest.mark.parametrize("algo,steps", [("grpo", 12), ("ppo", 12)])
 def test_policy_learns_against_scripted_simulator(world, tmp_path, algo, steps):
   config = _config(world, algo, total_steps=steps)
-  train.run(config, str(tmp_path))
+  train.run(RunSpec.from_config(config), str(tmp_path))
   rewards = [m["reward_mean"] for m in _metrics(tmp_path)]
   assert len(rewards) == steps
   early, late = np.mean(rewards[:3]), np.mean(rewards[-3:])
@@ -80,9 +81,9 @@ def test_resume_equals_straight_run(world, tmp_path, algo, simulator):
   warmup = {"optim.warmup_steps": 3, "optim.critic_warmup_steps": 3} if algo == "ppo" else {}
   cfg = lambda steps: _config(world, algo, total_steps=steps, **sim, **warmup, **{"log.transcripts_every": 1})
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  train.run(cfg(4), str(straight))
-  train.run(cfg(2), str(resumed))
-  train.run(cfg(4), str(resumed))  # same command, longer run
+  train.run(RunSpec.from_config(cfg(4)), str(straight))
+  train.run(RunSpec.from_config(cfg(2)), str(resumed))
+  train.run(RunSpec.from_config(cfg(4)), str(resumed))  # same command, longer run
   a, step_a = _params(straight, cfg(4))
   b, step_b = _params(resumed, cfg(4))
   assert step_a == step_b == 4
@@ -95,10 +96,11 @@ def test_resume_equals_straight_run(world, tmp_path, algo, simulator):
 
 
 def test_config_conflict_on_resume_is_refused(world, tmp_path):
-  train.run(_config(world, "grpo", total_steps=1), str(tmp_path))
+  train.run(RunSpec.from_config(_config(world, "grpo", total_steps=1)), str(tmp_path))
   before = (tmp_path / "config.json").read_text()
   with pytest.raises(ValueError, match=r"config\.rl\.clip_low"):
-    train.run(_config(world, "grpo", total_steps=2, **{"rl.clip_low": 0.3}), str(tmp_path))
+    changed = _config(world, "grpo", total_steps=2, **{"rl.clip_low": 0.3})
+    train.run(RunSpec.from_config(changed), str(tmp_path))
   assert (tmp_path / "config.json").read_text() == before
 
 
@@ -179,7 +181,7 @@ def test_a_failing_evaluation_keeps_the_steps_checkpoint(world, tmp_path, monkey
   config = _config(world, "grpo", total_steps=2, **{"eval.every_steps": 1, "checkpoint.every_steps": 1,
                                                     "data.num_holdout": 1, "eval.num_profiles": 0})
   with pytest.raises(ConnectionError):
-    train.run(config, str(tmp_path))
+    train.run(RunSpec.from_config(config), str(tmp_path))
   ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=3)
   assert ckpt.latest_step() == 1  # saved before the evaluation failed
   ckpt.close()
@@ -189,7 +191,7 @@ def test_a_failing_evaluation_keeps_the_steps_checkpoint(world, tmp_path, monkey
 def test_evaluation_metrics_join_their_steps_row(world, tmp_path):
   config = _config(world, "grpo", total_steps=2, **{"eval.every_steps": 2, "data.num_holdout": 1,
                                                     "eval.num_profiles": 1, "eval.max_turns": 1})
-  train.run(config, str(tmp_path))
+  train.run(RunSpec.from_config(config), str(tmp_path))
   rows = _metrics(tmp_path)
   assert [r["step"] for r in rows] == [1, 2]
   assert "eval/score" not in rows[0] and "eval/score" in rows[1] and "reward_mean" in rows[1]
@@ -371,17 +373,17 @@ def test_sigterm_during_a_rollout_saves_the_last_step_and_resumes_exactly(world,
   cfg = lambda steps: _config(world, "grpo", total_steps=steps, **{"checkpoint.every_steps": 100})
   counter = _CountingGuard()
   monkeypatch.setattr(train, "PreemptionGuard", lambda *_: counter)
-  train.run(cfg(1), str(tmp_path / "probe"))
+  train.run(RunSpec.from_config(cfg(1)), str(tmp_path / "probe"))
   per_step = counter.calls  # the polls of one step: one per rollout turn and one after the step
   assert per_step >= 2
   # Fire at step 2's first turn: its rollout is dropped, step 1 is saved (every_steps would not).
   monkeypatch.setattr(train, "PreemptionGuard", lambda *_: _CountingGuard(fire_at=per_step + 1))
   interrupted, straight = tmp_path / "interrupted", tmp_path / "straight"
-  paths = train.run(cfg(3), str(interrupted))
+  paths = train.run(RunSpec.from_config(cfg(3)), str(interrupted))
   assert paths["step"] == "1" and paths["outcome"] == "preempted" and [m["step"] for m in _metrics(interrupted)] == [1]
   monkeypatch.setattr(train, "PreemptionGuard", lambda *_: _CountingGuard())
-  train.run(cfg(3), str(interrupted))  # resumes from step 1
-  train.run(cfg(3), str(straight))
+  train.run(RunSpec.from_config(cfg(3)), str(interrupted))  # resumes from step 1
+  train.run(RunSpec.from_config(cfg(3)), str(straight))
   a, step_a = _params(straight, cfg(3))
   b, step_b = _params(interrupted, cfg(3))
   assert step_a == step_b == 3
@@ -438,18 +440,19 @@ def test_sigterm_during_an_evaluation_saves_the_step_and_the_resume_redoes_the_e
   cfg = lambda: _config(world, "grpo", total_steps=1, **evaluating)
   probe = _CountingGuard()
   monkeypatch.setattr(train, "PreemptionGuard", lambda *_: probe)
-  train.run(_config(world, "grpo", total_steps=1), str(tmp_path / "probe"))
+  train.run(RunSpec.from_config(_config(world, "grpo", total_steps=1)), str(tmp_path / "probe"))
   per_step = probe.calls  # the rollout's polls and the one after the step; the evaluation's follow
   monkeypatch.setattr(train, "PreemptionGuard", lambda *_: _CountingGuard(fire_at=per_step + 1))
   interrupted, straight = tmp_path / "interrupted", tmp_path / "straight"
-  assert train.run(cfg(), str(interrupted))["step"] == "1"
+  assert train.run(RunSpec.from_config(cfg()), str(interrupted))["step"] == "1"
   ckpt = Checkpointer(str(interrupted), every_steps=100, keep=1)
   assert ckpt.latest_step() == 1  # saved although every_steps=100 would not have
   ckpt.close()
   assert "eval/score" not in _metrics(interrupted)[0]
   monkeypatch.setattr(train, "PreemptionGuard", lambda *_: _CountingGuard())
-  train.run(cfg(), str(interrupted))  # nothing left to train: only the missing evaluation runs
-  train.run(cfg(), str(straight))
+  # Nothing left to train: only the missing evaluation runs.
+  train.run(RunSpec.from_config(cfg()), str(interrupted))
+  train.run(RunSpec.from_config(cfg()), str(straight))
   redone, want = _metrics(interrupted), _metrics(straight)
   assert [r["step"] for r in redone] == [1]
   assert {k: v for k, v in redone[0].items() if k.startswith("eval/")} == \
@@ -472,7 +475,7 @@ def test_a_save_killed_mid_commit_leaves_no_tmp_folder_behind(tmp_path):
 
 def test_a_resume_drops_what_an_unsaved_later_attempt_wrote(world, tmp_path):
   cfg = _config(world, "grpo", total_steps=1, **{"log.transcripts_every": 1})
-  train.run(cfg, str(tmp_path))
+  train.run(RunSpec.from_config(cfg), str(tmp_path))
   # An attempt that got to steps 2 and 3 and died before saving either.
   with open(tmp_path / "metrics.jsonl", "a") as f:
     f.write('{"step": 2, "reward_mean": 0.5}\n{"step": 3, "reward_mean": 0.6}\n')
@@ -491,7 +494,7 @@ def test_a_resume_on_a_different_batch_sharding_is_reported(world, tmp_path, mon
   cfg = _config(world, "grpo", total_steps=1)
   real = trainer_module.batch_shards
   monkeypatch.setattr(trainer_module, "batch_shards", lambda mesh: 2 * real(mesh))  # "saved on a bigger slice"
-  train.run(cfg, str(tmp_path))
+  train.run(RunSpec.from_config(cfg), str(tmp_path))
   monkeypatch.setattr(trainer_module, "batch_shards", real)
   trainer = tiny_world.trainer(cfg, str(tmp_path))
   with caplog.at_level("WARNING"):

@@ -163,6 +163,7 @@ class CacheView:
     if self.cache.layout == "slots_major":
       size = (1, c.shape[1], self.window) + c.shape[3:]
       w = jax.lax.dynamic_slice(c, (l,) + (0,) * (c.ndim - 1), size)[0]
+      # One kv head a chip (the TPU serving layouts): a bitcast, the dots read the cache in place.
       return w.transpose((0, 2, 1, 3) if c.ndim == 5 else (0, 2, 1))
     size = c.shape[1:3] + (self.window,) + c.shape[4:]
     return jax.lax.dynamic_slice(c, (l,) + (0,) * (c.ndim - 1), (1,) + size)[0]

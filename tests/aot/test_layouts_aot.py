@@ -2,6 +2,7 @@
 a serving-layout decode step moves no weights (the FSDP one all-gathers them all), the reshard moves
 what the two shardings say by hand, and the report names each phase's layout."""
 import importlib.util
+import re
 
 import jax
 import pytest
@@ -141,3 +142,54 @@ def test_the_decode_floor_counts_an_int8_cache_in_int8_bytes_plus_its_scales(tin
   assert floor.kv_bytes_per_slot(ap.simulator_model(_spec(tiny))) == 2 * L * K * Dh * 4
   tiny.simulator.kv_dtype = "int8"
   assert floor.kv_bytes_per_slot(ap.simulator_model(_spec(tiny))) == 2 * L * K * (Dh + 4)
+
+
+@pytest.fixture
+def tiny_preset_bf16(monkeypatch):
+  """grpo_think's own dtypes (bf16 compute and cache) on the tiny preset, a 1,024-slot policy cache."""
+  monkeypatch.setitem(presets.PRESETS, "aot-test-tiny", _T)
+  config = test_aot._RUN_CONFIGS["grpo_think"]()
+  with config.unlocked():
+    config.policy.preset, config.simulator.preset = "aot-test-tiny", "aot-test-tiny:1"
+    config.policy.max_context, config.simulator.max_context = 1024, 256
+    config.mesh.fsdp = 8
+  return config
+
+
+def _window_copies(config, policy_mesh: str, window: int) -> list[str]:
+  """Instructions of the compiled TPU decode step (v5p, 8 chips) that hold a layer's KV window,
+  [.., window, .., head_dim], as an array of their own rather than reading the cache in place."""
+  from rlver_jax.aot import call_programs as cp
+  from rlver_jax.aot.topology import get_topology
+  with config.unlocked():
+    config.rollout.policy_mesh = policy_mesh
+  spec = _spec(config)
+  layouts = run_layouts(spec, get_topology("v5p:2x2x2"))
+  mesh = layouts.for_role("policy")
+  fn, args = cp.decode_call(step_time.CostModel(spec, layouts)._shape("policy", _T.num_layers),
+                            window, mesh)
+  with jax.set_mesh(mesh), step_time.unrolled_loops():
+    lowered = fn.lower(*args)
+  with jax.set_mesh(mesh):
+    text = lowered.compile(compiler_options=step_time._TPU_COST_OPTIONS).as_text()
+  entry = text[text.index("\nENTRY"):].splitlines()[1:]
+  shape = re.compile(r"= \w+\[([\d,]+)\]")
+  copies = []
+  for line in entry:
+    dims = shape.search(line)
+    dims = [int(d) for d in dims.group(1).split(",")] if dims else []
+    if window in dims and dims[-1] == _T.head_dim and "parameter(" not in line:
+      copies.append(line.strip()[:120])
+  return copies
+
+
+@_needs_libtpu
+def test_serving_decode_reads_the_kv_window_in_place_on_tpu(tiny_preset_bf16):
+  """The paper's serving layouts hold one kv head a chip (7B: 4 heads over tensor 4; 72B: 8 over 8).
+  There XLA:TPU feeds the cache itself to the attention dots (the window's dynamic slice fused in):
+  no window-sized array is made. Two kv heads a chip (the FSDP layout, 1x8x1) copy each layer's k and
+  v window to a new layout first, which shows that the check sees such a copy."""
+  assert _window_copies(tiny_preset_bf16, "auto", 512) == []   # 4x1x2: one kv head a chip
+  copies = _window_copies(tiny_preset_bf16, "train", 512)
+  assert sum(" copy(" in c for c in copies) == 2 * _T.num_layers, copies   # k and v, each layer
+

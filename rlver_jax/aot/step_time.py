@@ -127,9 +127,8 @@ def _float_loop(hlo_line: str) -> bool:
   return bool(head[1]) and any(t in head[0] for t in ("f32[", "bf16[", "f16[", "f64["))
 
 
-def compiled_cost(fn, args, mesh: Mesh, between_meshes: bool = False) -> Cost:
-  """Traces `fn` with unrolled loops, compiles it on `mesh`'s devices, reads XLA's cost analysis.
-  A loop left in the compiled program is an error: its cost would count one iteration."""
+def compiled_program(fn, args, mesh: Mesh, between_meshes: bool = False):
+  """`fn` traced with unrolled loops and compiled on `mesh`'s devices, as the cost model reads it."""
   # No ambient mesh for a program between two meshes (the reshard): their device orders differ,
   # which jit refuses beside a context mesh; its shardings name both.
   context = (lambda: contextlib.nullcontext()) if between_meshes else (lambda: jax.set_mesh(mesh))
@@ -137,7 +136,13 @@ def compiled_cost(fn, args, mesh: Mesh, between_meshes: bool = False) -> Cost:
     lowered = fn.lower(*args)
   on_tpu = mesh.devices.flat[0].platform == "tpu"
   with context():
-    compiled = lowered.compile(compiler_options=_TPU_COST_OPTIONS if on_tpu else None)
+    return lowered.compile(compiler_options=_TPU_COST_OPTIONS if on_tpu else None)
+
+
+def compiled_cost(fn, args, mesh: Mesh, between_meshes: bool = False) -> Cost:
+  """XLA's cost analysis of `compiled_program(fn, args, mesh)`. A loop left in the compiled program
+  is an error: its cost would count one iteration."""
+  compiled = compiled_program(fn, args, mesh, between_meshes)
   if any(_float_loop(line) for line in compiled.as_text().splitlines()):
     raise ValueError("a compiled program of the step-time model still has a loop; its cost would "
                      "count one iteration")

@@ -145,7 +145,7 @@ def test_the_decode_floor_counts_an_int8_cache_in_int8_bytes_plus_its_scales(tin
 
 
 @pytest.fixture
-def tiny_preset_bf16(monkeypatch):
+def tiny_bf16(monkeypatch):
   """grpo_think's own dtypes (bf16 compute and cache) on the tiny preset, a 1,024-slot policy cache."""
   monkeypatch.setitem(presets.PRESETS, "aot-test-tiny", _T)
   config = test_aot._RUN_CONFIGS["grpo_think"]()
@@ -168,10 +168,7 @@ def _window_copies(config, policy_mesh: str, window: int) -> list[str]:
   mesh = layouts.for_role("policy")
   fn, args = cp.decode_call(step_time.CostModel(spec, layouts)._shape("policy", _T.num_layers),
                             window, mesh)
-  with jax.set_mesh(mesh), step_time.unrolled_loops():
-    lowered = fn.lower(*args)
-  with jax.set_mesh(mesh):
-    text = lowered.compile(compiler_options=step_time._TPU_COST_OPTIONS).as_text()
+  text = step_time.compiled_program(fn, args, mesh).as_text()
   entry = text[text.index("\nENTRY"):].splitlines()[1:]
   shape = re.compile(r"= \w+\[([\d,]+)\]")
   copies = []
@@ -184,12 +181,11 @@ def _window_copies(config, policy_mesh: str, window: int) -> list[str]:
 
 
 @_needs_libtpu
-def test_serving_decode_reads_the_kv_window_in_place_on_tpu(tiny_preset_bf16):
+def test_serving_decode_reads_the_kv_window_in_place_on_tpu(tiny_bf16):
   """The paper's serving layouts hold one kv head a chip (7B: 4 heads over tensor 4; 72B: 8 over 8).
   There XLA:TPU feeds the cache itself to the attention dots (the window's dynamic slice fused in):
   no window-sized array is made. Two kv heads a chip (the FSDP layout, 1x8x1) copy each layer's k and
   v window to a new layout first, which shows that the check sees such a copy."""
-  assert _window_copies(tiny_preset_bf16, "auto", 512) == []   # 4x1x2: one kv head a chip
-  copies = _window_copies(tiny_preset_bf16, "train", 512)
+  assert _window_copies(tiny_bf16, "auto", 512) == []   # 4x1x2: one kv head a chip
+  copies = _window_copies(tiny_bf16, "train", 512)
   assert sum(" copy(" in c for c in copies) == 2 * _T.num_layers, copies   # k and v, each layer
-

@@ -87,12 +87,6 @@ def _check(language: str, style: str | None = None) -> None:
     raise ValueError(f"unknown simulator style {style!r}; expected one of {STYLES}")
 
 
-def state_meaning(state: str, language: str) -> str:
-  """What emotion state S/A/B/C/F asks of the user, in words."""
-  _check(language)
-  return _STATE_MEANING[language][state]
-
-
 def system_prompt(profile: Profile, style: str, language: str) -> str:
   """The static part of the simulator context: role, goal, persona, background, theme, style."""
   _check(language, style)

@@ -79,10 +79,3 @@ def create_model(config: Qwen2Config, *, mesh: Mesh | None = None, rules: Shardi
   state = jax.jit(init, out_shardings=shardings)()
   return nnx.merge(graphdef, state)
 
-
-def param_shardings_by_path(model: Qwen2) -> dict[str, jax.sharding.Sharding]:
-  """{"layers.wq": sharding, ...} of a concrete model (for tests and reports)."""
-  out = {}
-  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    out[".".join(str(p) for p in path)] = var[...].sharding
-  return out

@@ -3,7 +3,9 @@ from the newest one that restores (damaged newer ones are moved into checkpoints
 that fails (a full disk) is one CheckpointNotSaved line naming the step and the intact one before.
 
 A checkpoint holds the array state (policy / critic params and optimizer states, RNG key) and a JSON
-item (step, profile-sampler state, config) so a resumed run continues exactly where it stopped.
+item (step, profile-sampler state, config, each array's checksum) so a resumed run continues exactly
+where it stopped. A restore checks the checksums and that every float array is finite
+(`checkpoint_integrity`): damaged bytes count as a damaged checkpoint.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from absl import logging
 from etils import epath
 
 from rlver_jax.parallel.process_zero import on_process_zero
-from rlver_jax.run import library_noise
+from rlver_jax.run import checkpoint_integrity, library_noise
 from rlver_jax.run.checkpoint_errors import (CheckpointNotSaved, NoRestorableCheckpoint, describe,
                                              is_storage_error, no_restorable_line, not_saved_line)
 
@@ -54,6 +56,8 @@ class Checkpointer:
     self.wait()
     if step in self.manager.all_steps():
       return
+    # Before the save starts copying: the arrays are not donated until the next update.
+    meta = {**meta, checkpoint_integrity.CHECKSUMS: checkpoint_integrity.checksums(state)}
     self._in_flight = step
     try:
       self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -62,18 +66,21 @@ class Checkpointer:
       self._raise_not_saved(e)
 
   def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
-    """Restores into the shardings of `abstract_state` (ShapeDtypeStructs with `.sharding`)."""
+    """Restores into the shardings of `abstract_state` (ShapeDtypeStructs with `.sharding`); raises
+    DamagedCheckpoint if an array differs from what was saved or is not finite."""
     step = self.manager.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint under {self.directory}")
     out = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+    checkpoint_integrity.verify(out["state"], out["meta"].get(checkpoint_integrity.CHECKSUMS))
     return out["state"], out["meta"]
 
   def restore_newest_good(self, abstract_state: Any) -> tuple[Any, dict] | None:
     """The newest checkpoint that restores completely (None when there is none at all).
 
-    A newer one that fails (a file cut short by a full disk or a host lost mid-commit) is moved into
+    A newer one that fails (a file cut short by a full disk or a host lost mid-commit, bytes changed
+    on storage, NaN / inf in an array) is moved into
     checkpoints/damaged/ with one warning line each, never deleted. If none restores, nothing is
     moved and NoRestorableCheckpoint names the steps tried and what to do.
     """

@@ -22,12 +22,18 @@ class NoRestorableCheckpoint(ValueError):
   """Every checkpoint under the run's checkpoints/ folder failed to restore."""
 
 
+class DamagedCheckpoint(ValueError):
+  """A restored array differs from what was saved, or holds NaN / inf; the message names it."""
+
+
 class CheckpointNotSaved(OSError):
   """A checkpoint could not be written (disk full, storage error); the message is the whole report."""
 
 
 def describe(e: BaseException, limit: int = 240) -> str:
   """What went wrong, in one line: the innermost cause's own words without the spec dumps."""
+  if isinstance(e, DamagedCheckpoint):
+    return str(e)
   while e.__cause__ is not None:
     e = e.__cause__
   text = str(e).split(" See full TensorStore details:")[0]

@@ -2,7 +2,7 @@
 
 The run's WORKDIR/config.json says how the trainer built the policy; only the policy entry of the
 checkpoint's state is read (optimizer and critic states stay on disk), straight into the shardings
-of the mesh at hand.
+of the mesh at hand, and checked against the checksums saved with it (`checkpoint_integrity`).
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from rlver_jax.models.io import safetensors as st
 from rlver_jax.models.factory import abstract_model, state_shardings
 from rlver_jax.models.presets import from_hf_config, param_dtype_of
 from rlver_jax.parallel.sharding import MeshConfig, make_mesh
+from rlver_jax.run import checkpoint_integrity, library_noise
+from rlver_jax.run.checkpoint_errors import describe
 from rlver_jax.spec import PolicySpec, RunSpec
 
 
@@ -90,10 +92,28 @@ def restore_policy(policy: PolicySpec, manager: ocp.CheckpointManager, step: int
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         abstract, state_shardings(abstract, mesh))
   target = {"policy": target}
-  restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-      partial_restore=True)))
+  try:
+    with library_noise.reading_checkpoints():
+      restored = manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(
+              item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+              partial_restore=True),
+          meta=ocp.args.JsonRestore()))
+    checkpoint_integrity.verify(restored["state"],
+                                restored["meta"].get(checkpoint_integrity.CHECKSUMS))
+  except Exception as e:  # orbax / tensorstore raise many kinds for a damaged file
+    raise ExportError(_damaged_line(manager, step, e)) from e
   return nnx.merge(graphdef, restored["state"]["policy"]), model_config, path
+
+
+def _damaged_line(manager: ocp.CheckpointManager, step: int, e: Exception) -> str:
+  """Read-only: the damaged checkpoint is named, not moved (a training run moves it aside)."""
+  library_noise.collect_restore_debris()
+  others = [s for s in sorted(manager.all_steps(), reverse=True) if s != step]
+  todo = (f"pass --step={others[0]} for the newest other one (steps {', '.join(map(str, others))})"
+          if others else "there is no other checkpoint")
+  return (f"the checkpoint of step {step} in {manager.directory} does not restore ({describe(e)}); "
+          f"{todo}")
 
 
 def load_trained(workdir: str, step: int | None, mesh: jax.sharding.Mesh):

@@ -16,8 +16,12 @@ def replace_text(path: epath.Path, text: str) -> None:
     path.write_text(text)
     return
   tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(text)
-  os.replace(tmp, path)
+  try:
+    tmp.write_text(text)
+    os.replace(tmp, path)
+  except OSError:
+    tmp.unlink(missing_ok=True)  # a full disk leaves no half-written temp file behind
+    raise
 
 
 def new_run_dir(parent: str, stem: str) -> str:

@@ -8,6 +8,7 @@ steps: a bar on a terminal (warnings printed above it), a plain line per step in
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 
 import jax
@@ -16,6 +17,7 @@ from absl import logging
 
 from rlver_jax.env.rollout import RolloutInterrupted
 from rlver_jax.env.simulator import SIMULATOR_ERROR
+from rlver_jax.run.metrics import NotWritten
 from rlver_jax.run.progress import Progress
 from rlver_jax.spec import RunSpec
 from rlver_jax.train.holdout import (eval_key, evaluate_holdout, evaluation_missing,
@@ -146,7 +148,7 @@ def _record_step(trainer: Trainer, guard: PreemptionGuard, metrics: dict[str, fl
   """Writes the finished step's metrics (and transcripts), saves it when due or on a stop signal;
   returns whether a stop signal asks the run to stop."""
   step, every = trainer.step, trainer.spec.log.transcripts_every
-  with trainer.lock:
+  with trainer.lock, _saying_what_is_kept(trainer):
     trainer.writer.write(step, metrics)
     check_finite_update(step, metrics, trainer.checkpointer.latest_step())
     warn_about_step(trainer, step)
@@ -159,6 +161,19 @@ def _record_step(trainer: Trainer, guard: PreemptionGuard, metrics: dict[str, fl
     if trainer.checkpointer.should_save(step, trainer.spec.total_steps) or preempted:
       trainer.save()
   return preempted
+
+
+@contextlib.contextmanager
+def _saying_what_is_kept(trainer: Trainer):
+  """A run file that cannot be written (a full disk) stops the run with one line that also says
+  which step the checkpoints still hold (the unwritten step is not saved)."""
+  try:
+    yield
+  except NotWritten as e:
+    saved = trainer.checkpointer.latest_step()
+    kept = (f"the last checkpoint holds step {saved}" if saved is not None else
+            "there is no checkpoint yet, so the run will start over from step 0")
+    raise NotWritten(f"{e}; {kept}; free space and run the same command to resume") from e
 
 
 def _evaluate(trainer: Trainer, guard: PreemptionGuard, progress: Progress) -> None:

@@ -1,6 +1,7 @@
 """metrics.jsonl: one row per step, later rows dropped on a resume, evaluation merged into its row,
-and a file cut off by a kill does not block the run."""
+and a last line cut short is set aside once (the rows before it kept)."""
 import json
+import logging
 
 import pytest
 
@@ -22,13 +23,23 @@ def test_rows_resume_and_merge(tmp_path):
   assert not list(tmp_path.glob("*.tmp"))  # written through a renamed temp file
 
 
-def test_a_cut_off_last_line_is_dropped(tmp_path):
+def test_a_cut_off_last_line_is_set_aside_once_with_one_warning(tmp_path, caplog):
   w = MetricsWriter(str(tmp_path), tensorboard=False)
   w.write(1, {"reward_mean": 0.1})
-  with open(w.path, "a") as f:
-    f.write('{"step": 2, "reward_me')  # killed mid-write (an in-place writer)
   w.write(2, {"reward_mean": 0.2})
-  assert [r["step"] for r in _rows(w.path)] == [1, 2]
+  with open(w.path, "a") as f:
+    f.write('{"step": 3, "reward_me')  # a copy cut short, or an older in-place writer killed
+  with caplog.at_level(logging.WARNING):
+    resumed = MetricsWriter(str(tmp_path), tensorboard=False)  # what the next run opens
+    assert [r["step"] for r in resumed.history()] == [1, 2]
+    resumed.write(3, {"reward_mean": 0.3})
+    MetricsWriter(str(tmp_path), tensorboard=False).history()  # the summary's reader
+  assert [r["step"] for r in _rows(w.path)] == [1, 2, 3]
+  (aside,) = (tmp_path / "set_aside").glob("cut_line-*/metrics.jsonl")
+  assert aside.read_text() == '{"step": 3, "reward_me\n'
+  warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+  assert warned == [f"{w.path}: its last line (step 3) is cut short (Unterminated string starting "
+                    f"at): moved it to {aside}, the 2 row(s) before it are kept"]
 
 
 def test_a_broken_line_inside_the_file_names_it(tmp_path):

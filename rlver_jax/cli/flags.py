@@ -9,6 +9,16 @@ from absl import flags
 from rlver_jax.cli.console import quiet_library_logs, skip_absent_tpu
 
 
+def _missing_key(e: BaseException) -> tuple[str, str]:
+  """(key, ml_collections' suggestion) from its AttributeError(KeyError("'key'\\nDid you mean ...")):
+  the text of the innermost exception, not the repr str() gives a KeyError."""
+  while e.args and isinstance(e.args[0], BaseException):
+    e = e.args[0]
+  text = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
+  name, _, hint = text.partition("\n")
+  return name.strip("\"'"), " ".join(hint.split())
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with two config errors as one line instead of a traceback (a
   --config.KEY override that names no key, and a config file whose get_config raised, e.g. a
@@ -24,11 +34,12 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     rest = flags.FLAGS(argv)
   except (AttributeError, KeyError) as e:
-    name = str(e).strip("\"'")
+    name, hint = _missing_key(e)
     bad = [a.split("=")[0] for a in argv[1:]
            if a.startswith("--config.") and re.search(rf"\.{re.escape(name)}(\.|=|$)", a)]
     flag = bad[0] if bad else "a --config.KEY override"
-    sys.exit(f"error: {flag}: no such config key ({name!r}); see the config file for its keys")
+    todo = f"{hint[:1].lower()}{hint[1:]}" if hint else "see the config file for its keys"
+    sys.exit(f"error: {flag}: no such config key '{name}'; {todo}")
   except flags.Error as e:
     text = str(e)
     wrapped = re.match(r"flag (.*?): Error whilst parsing config file", text)

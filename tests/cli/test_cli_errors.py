@@ -68,6 +68,17 @@ def test_a_mistyped_config_argument_is_one_line():
       "known: runlocal" in lines[0] and "runloca'" in lines[0]
 
 
+def test_a_mistyped_config_key_is_one_plain_line_with_the_suggestion(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-m", "rlver_jax.main", "--config=configs/grpo_think.py:runlocal",
+                         f"--workdir={tmp_path / 'run'}", "--config.total_step=3"],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1
+  assert proc.stderr.splitlines() == [
+      "error: --config.total_step: no such config key 'total_step'; did you mean \"total_steps\" "
+      "instead of \"total_step\"?"], proc.stderr
+
+
 def test_zero_total_steps_is_a_config_error(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-m", "rlver_jax.main", "--config=configs/grpo_think.py:runlocal",

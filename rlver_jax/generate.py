@@ -98,6 +98,10 @@ def check_checkpoint(path: str) -> str:
     path = hub.resolve(path, "--checkpoint")
   if not storage.is_gcs(path) and not os.path.isdir(path):
     raise FileNotFoundError(f"--checkpoint={path}: no such directory")
+  if storage.exists(storage.join(path, "checkpoints")):  # its config.json is the run's, not a model's
+    raise ValueError(f"--checkpoint={path}: is a training workdir, not a Hugging Face checkpoint; "
+                     f"export its policy first (python -m rlver_jax.export --workdir={path} "
+                     "--out=HF_DIR) and pass --checkpoint=HF_DIR")
   if not storage.exists(storage.join(path, "config.json")):
     raise FileNotFoundError(f"--checkpoint={path}: no config.json there (not a Hugging Face checkpoint)")
   return path

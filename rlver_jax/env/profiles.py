@@ -23,6 +23,8 @@ class Profile:
   cha_group: tuple[str, ...]
   task: str
   first_talk: str | None = None
+  # "PATH:LINE" it was read from, for errors; not part of its contents (equality, fingerprints).
+  source: str = dataclasses.field(default="", compare=False, repr=False)
 
   @property
   def language(self) -> str:
@@ -82,7 +84,7 @@ def intention_key(profile: Profile | str) -> str:
   try:
     return TASK_TO_INTENTION[task.strip()]
   except KeyError:
-    raise ValueError(f"unknown hidden intention: {task!r}") from None
+    raise ValueError(f"{_where(profile)}unknown hidden intention: {_short(task)}") from None
 
 
 def personality_key(profile: Profile | str) -> str:
@@ -91,7 +93,27 @@ def personality_key(profile: Profile | str) -> str:
   try:
     return MAIN_CHA_TO_PERSONALITY[main_cha.strip()]
   except KeyError:
-    raise ValueError(f"unknown personality type: {main_cha!r}") from None
+    raise ValueError(f"{_where(profile)}unknown personality type: {_short(main_cha)}") from None
+
+
+def _where(profile: Profile | str) -> str:
+  return f"{profile.source}: " if isinstance(profile, Profile) and profile.source else ""
+
+
+def _short(text: str, limit: int = 80) -> str:
+  return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def check_scripted_labels(profiles: Sequence[Profile]) -> None:
+  """The scripted simulator's rules know RLVER's 8 hidden intentions and 3 personality types: a
+  profile with another is refused before the first step, naming its file and line."""
+  for profile in profiles:
+    try:
+      intention_key(profile)
+      personality_key(profile)
+    except ValueError as e:
+      raise ProfileError(f"{e} (the scripted simulator knows only RLVER's 8 hidden intentions and 3 "
+                         "personality types, word for word as in its data)") from None
 
 
 # --- Loading ------------------------------------------------------------------------------------
@@ -105,6 +127,9 @@ DEMO_VENTING_PROFILES: str = str(pathlib.Path(__file__).resolve().parent / "data
 DEMO_PROFILE_SETS: dict[str, str] = {"demo": DEMO_PROFILES, "demo_venting": DEMO_VENTING_PROFILES}
 
 _REQUIRED_STR = ("id", "player", "scene", "main_cha", "task")
+# The longest profile of RLVER's data is a few KB; one far longer cannot fit a simulator's prompt,
+# and decoding and tokenizing it took minutes and gigabytes before anything said so.
+MAX_LINE_BYTES = 1 << 20
 
 
 class ProfileError(ValueError):
@@ -191,6 +216,10 @@ def load_profiles(path: str | os.PathLike[str]) -> list[Profile]:
   profiles: list[Profile] = []
   first_seen: dict[str, int] = {}
   for lineno, line_bytes in enumerate(raw.split(b"\n"), start=1):
+    if len(line_bytes) > MAX_LINE_BYTES:
+      raise ProfileError(f"{path}:{lineno}: {len(line_bytes):,} bytes, over the limit of "
+                         f"{MAX_LINE_BYTES:,} for one profile (a persona this long fits no "
+                         "simulator's context)")
     try:
       line = line_bytes.decode("utf-8-sig" if lineno == 1 else "utf-8")
     except UnicodeDecodeError:
@@ -198,7 +227,7 @@ def load_profiles(path: str | os.PathLike[str]) -> list[Profile]:
     if not line.strip():
       continue
     try:
-      profile = _parse_line(json.loads(line))
+      profile = dataclasses.replace(_parse_line(json.loads(line)), source=f"{path}:{lineno}")
     except json.JSONDecodeError as e:
       raise ProfileError(f"{path}:{lineno}: invalid JSON ({_json_problem(e)})") from None
     except ValueError as e:

@@ -83,7 +83,8 @@ def describe(spec) -> dict:
 
 def profiles_sha256(profiles: Sequence[Profile]) -> str:
   """Fingerprint of the profiles' contents, in order (the sampler resumes by index into them)."""
-  blob = json.dumps([dataclasses.asdict(p) for p in profiles], sort_keys=True, ensure_ascii=False)
+  rows = [{k: v for k, v in dataclasses.asdict(p).items() if k != "source"} for p in profiles]
+  blob = json.dumps(rows, sort_keys=True, ensure_ascii=False)
   return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from rlver_jax.env.profiles import check_scripted_labels
 from rlver_jax.env.rollout import RolloutInterrupted
 from rlver_jax.env.simulator import SIMULATOR_ERROR
 from rlver_jax.run.metrics import NotWritten
@@ -95,6 +96,8 @@ def run(spec: RunSpec, workdir: str, *, ctrl_c: bool = False) -> dict[str, str]:
                      "same command to resume", guard.signum))
   with guard:
     trainer = Trainer(spec, workdir)
+    if spec.simulator.backend == "scripted":  # else the first rollout fails, naming no file
+      check_scripted_labels([*trainer.train_profiles, *trainer.holdout])
     trainer.restore_if_any()
     started.append(trainer)
     return _train(trainer, guard)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "rlver_jax"
 # Transcribed from each folder's __init__.py docstring ("May import: ..."); a change there is a
 # change here. Top-level modules are the build step and the entry points (main, evaluate, ...).

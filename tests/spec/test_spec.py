@@ -10,7 +10,7 @@ from rlver_jax import spec as spec_lib
 from rlver_jax.rl.algorithms import GRPO, PPO
 from rlver_jax.spec import ConfigError, EvaluationSpec, RunSpec
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _config(name, arg=None):

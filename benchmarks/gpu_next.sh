@@ -27,6 +27,6 @@ step() {  # step NAME COMMAND...: run with a time limit, log to $OUT/NAME.txt, r
   echo "$name: exit $? ($(tail -n 1 "$OUT/$name.txt" | cut -c1-100))"
 }
 
-LIMIT=${WHILE_LIMIT:-420} step while_loop "$PYTHON" investigations/decode_in_while_loop.py \
+LIMIT=${WHILE_LIMIT:-420} step while_loop "$PYTHON" decode_in_while_loop.py \
   --model "$MODEL" --window "$WINDOW" --reps 3 --tokens 16
 step profile "$PYTHON" decode_profile.py --model "$MODEL" --new 32 --top 30

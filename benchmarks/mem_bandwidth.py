@@ -37,11 +37,46 @@ def threaded_sum(a: np.ndarray, threads: int) -> None:
     w.join()
 
 
+def dot_weights(config, dtype):
+  """Random stacked [L, ...] weights of one step's seven projections per layer, the LM head, and the
+  query width."""
+  import jax
+  import jax.numpy as jnp
+  c = config
+  L, D, F, V = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size
+  q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  shapes = dict(wq=(L, D, q), wk=(L, D, kv), wv=(L, D, kv), wo=(L, q, D), gate=(L, D, F), up=(L, D, F),
+                down=(L, F, D))
+  keys = iter(jax.random.split(jax.random.key(1), 10))
+  w = {n: (jax.random.normal(next(keys), s, jnp.float32) * 0.02).astype(dtype) for n, s in shapes.items()}
+  head = (jax.random.normal(next(keys), (V, D), jnp.float32) * 0.02).astype(dtype)
+  return w, head, q
+
+
+def scanned_dots(q: int):
+  """Jitted (x, stacked weights, head) -> next tokens: the step's dots in a layer scan, as the model;
+  cheap elementwise glue keeps them dependent."""
+  import jax
+  import jax.numpy as jnp
+
+  def layer(h, p):
+    a = jnp.concatenate([h @ p["wq"], h @ p["wk"], h @ p["wv"]], -1)[:, :q]
+    h = h + a @ p["wo"]
+    h = h + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
+    return h * jax.lax.rsqrt(jnp.mean(jnp.square(h.astype(jnp.float32)), -1, keepdims=True)
+                             + 1e-6).astype(h.dtype)
+
+  @jax.jit
+  def step(x, w, head):
+    h, _ = jax.lax.scan(lambda h, p: (layer(h, p), None), x, w)
+    return jnp.argmax(h @ head.T, -1)
+  return step
+
+
 def xla_dots(reps: int) -> tuple[float, float, int]:
   """(best, median) seconds of the decode step's dots alone at batch 8, and the weight bytes read."""
   import jax
   import jax.numpy as jnp
-  from decode_step_floor import dot_weights, scanned_dots
   from model_shapes import SMOLLM2_135M
   w, embed, q = dot_weights(SMOLLM2_135M, jnp.float32)
   x = jax.random.normal(jax.random.key(2), (8, SMOLLM2_135M.hidden_size), jnp.float32)

@@ -1,7 +1,7 @@
 """Whether a decode step loses its in-place weight reads once it runs inside an on-device loop.
 
-`layer_scan_vs_loop.py` showed on XLA:GPU that static slices of the stacked [L, ...] weights feed their
-GEMMs without a copy (5.6 ms for a 7B step) while the layer scan copies each slice (12.5 ms); the
+On XLA:GPU static slices of the stacked [L, ...] weights feed their GEMMs without a copy (5.6 ms for
+a 7B step) while the layer scan copies each slice (12.5 ms; `results_gpu.md`, 2026-12-04); the
 sampler with static slices still took 11.2 ms. The sampler differs in one way: its tokens come from a
 `lax.while_loop` whose state holds the params. This times one token per call four ways:
 
@@ -13,8 +13,8 @@ sampler with static slices still took 11.2 ms. The sampler differs in one way: i
 Random weights (model_shapes.py), batch `--batch`, a fixed `--window`-slot cache window (not written:
 the weight reads are the question); medians of `--reps` calls.
 
-  JAX_PLATFORMS=cuda python benchmarks/investigations/decode_in_while_loop.py --model qwen2.5-7b:bfloat16
-  python benchmarks/investigations/decode_in_while_loop.py --model smollm2-135m:float32 --reps 3
+  JAX_PLATFORMS=cuda python benchmarks/decode_in_while_loop.py --model qwen2.5-7b:bfloat16
+  python benchmarks/decode_in_while_loop.py --model smollm2-135m:float32 --reps 3
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import functools
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # _common, model_shapes
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _common, model_shapes
 import _common  # noqa: F401  (JAX_PLATFORMS=cpu unless the caller set it)
 import jax
 import jax.numpy as jnp

@@ -32,18 +32,21 @@ def _in_library(path: str) -> bool:
 
 
 def _raised_in_library(exc_info) -> bool:
+  """Whether any frame of the exception's traceback is orbax's or TensorStore's: a read awaited in
+  orbax's coroutine and failed in a callback of ours, or re-raised by asyncio, passes through one."""
   tb = exc_info[2] if isinstance(exc_info, tuple) else None
-  while tb is not None and tb.tb_next is not None:
+  while tb is not None:
+    if _in_library(tb.tb_frame.f_code.co_filename):
+      return True
     tb = tb.tb_next
-  return tb is not None and _in_library(tb.tb_frame.f_code.co_filename)
+  return False
 
 
 def _tensorstore_error(exc_info) -> bool:
-  """An error TensorStore set on a Future from its own threads: it has no Python traceback, so
-  `_raised_in_library` cannot place it, but its text is TensorStore's status with the store's spec."""
+  """An error TensorStore set on a Future from its own threads, or one re-raised from it: its text
+  is TensorStore's status with the store's spec, traceback or not."""
   exc = exc_info[1] if isinstance(exc_info, tuple) else None
-  return (exc is not None and exc.__traceback__ is None
-          and bool(_TS_STATUS.match(str(exc))))
+  return exc is not None and bool(_TS_STATUS.match(str(exc)))
 
 
 def _is_own_wait(record: logging.LogRecord) -> bool:

@@ -78,3 +78,19 @@ def test_collecting_after_a_failed_restore_keeps_orbaxs_unawaited_coroutines_qui
   _dropped_in_a_cycle(_own_coroutine)
   library_noise.collect_restore_debris()
   assert [str(m) for m in shown] == ["coroutine '_own_coroutine' was never awaited"]
+
+
+def test_an_unretrieved_error_that_passed_through_orbax_is_debug_only(caplog, library_module):
+  """Its deepest frame is not the library's (a callback raised it), a frame above it is."""
+  exec(compile("def call(f):\n  return f()\n", library_module.__file__, "exec"), library_module.__dict__)
+
+  def fail():
+    raise RuntimeError("a read failed")
+  try:
+    library_module.call(fail)
+  except RuntimeError as e:
+    error = e
+  library_noise.demote_library_tracebacks()
+  with caplog.at_level(logging.INFO):
+    _drop_failed_future(error)
+  assert _never_retrieved(caplog) == []

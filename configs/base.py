@@ -75,9 +75,17 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   # Strings that end a policy turn inside the decode loop besides <|im_end|> (e.g. "<|im_start|>"
   # for a model that opens the next turn itself); () = none.
   c.policy.stop_sequences = ()
+  # What of a reply the user sees: "label" (the text after </think> less one leading speaker
+  # label such as "Assistant:") or "reference" (the RLVER reference's: think mode keeps the text
+  # after the last 你：/你:, no-think mode the text as it is).
+  c.policy.reply_cut = "label"
 
   c.critic = ml_collections.ConfigDict()
-  c.critic.checkpoint = ""           # "" = initialise from the policy checkpoint + a zero value head
+  c.critic.checkpoint = ""           # "" = initialise from the policy checkpoint + a new value head
+  # The critic's loss trains on "policy_tokens" or "reference" (the reference's: from the first
+  # policy token through the position after the sample's end, user tokens inside included).
+  c.critic.value_mask = "policy_tokens"
+  c.critic.head_init = "zeros"       # the new value head: "zeros" | "normal" (N(0, 0.02), the reference's)
 
   c.simulator = ml_collections.ConfigDict()
   c.simulator.backend = "model"      # "model" (co-located) | "http" | "scripted"
@@ -115,6 +123,9 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   # Training ends a dialogue whose visible text (user and policy lines) passes this many
   # characters; 0 = no limit (the policy's cache still bounds it: context_full).
   c.simulator.history_chars = 0
+  # What it counts: "visible" (those lines) or "rendered" (the policy's prompt as the chat template
+  # renders it: system prompt, role tags and the lines, as the reference counts).
+  c.simulator.history_measure = "visible"
   # Decode layout of the frozen simulator over the same devices as config.mesh
   # (rlver_jax/spec/layouts.py): 'auto' (tensor parallel over heads, data over cache rows),
   # 'train' (config.mesh) or 'DATAxFSDPxTENSOR' such as '4x1x8'.
@@ -193,6 +204,9 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.rl.value_clip = 0.5
   c.rl.entropy_coef = 0.001
   c.rl.loss_agg = "token-mean"       # seq-* modes count samples: with think mode, one per turn
+  # chunk-token-mean: a token mean inside each of this many consecutive runs of a mini-batch's
+  # rows, then the mean of the runs (the reference: one run per GPU, 32 GPUs).
+  c.rl.loss_agg_chunks = 32
   c.rl.loss_norm_len = 0             # seq-mean-token-sum-norm divisor; 0 = policy.max_context
   c.rl.kl_coef = 0.0                 # no reference model, as in the paper
   c.rl.kl_kind = "k3"
@@ -260,6 +274,11 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   # flow whose reply step also reads the inner reaction; rlver_jax/env/info_flow.py), like
   # configs/eval_sentient.py, whatever simulator.info_flow training uses.
   c.eval.info_flow = "sage"
+  # The held-out evaluation's change and goodbye rules (simulator.* hold training's); SAGE's are
+  # True, 0 and "substring" (:reference, configs/eval_sentient.py).
+  c.eval.clamp_change = True
+  c.eval.state_change_range = 10
+  c.eval.goodbye_match = "clause"
   # Policy sampling during held-out evaluation: the same as configs/eval_sentient.py (Qwen2.5-Instruct's
   # generation_config), so eval/score is comparable with `rlver_jax.evaluate`, not rollout sampling.
   c.eval.temperature = 0.7
@@ -301,10 +320,17 @@ REFERENCE_VALUES = {
     "rl.group_stats": "turn_rows",    # mean and std over the group's per-turn rows
     "data.sampling": "with_replacement",
     "policy.prompt": "reference",     # the released training prompts' meaning
+    "policy.reply_cut": "reference",  # think: after the last 你：/你:; no-think: as it is
+    "rl.loss_agg": "chunk-token-mean",  # a token mean per GPU's rows (rl.loss_agg_chunks = 32)
+    "critic.value_mask": "reference",  # its critic's shifted attention mask
+    "critic.head_init": "normal",
+    "eval.state_change_range": 0,     # SAGE's rules in the held-out evaluation: no range stated,
+    "eval.goodbye_match": "substring",  # the change clamped in code, 再见 / 拜拜 anywhere
 }
 # ... and in think mode only.
 REFERENCE_THINK_VALUES = {
-    "simulator.history_chars": 5000,  # its think-mode rollout ends a longer dialogue
+    "simulator.history_chars": 5000,  # its think-mode rollout ends a longer dialogue ...
+    "simulator.history_measure": "rendered",  # ... counting its rendered prompt
 }
 
 

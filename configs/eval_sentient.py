@@ -64,6 +64,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.policy.keep_thoughts = False     # think mode: earlier thoughts are dropped from later turns
   # The training prompt, for eval.policy_prompt="training" ("project" | "reference", configs/base.py).
   c.policy.prompt = "project"
+  # What of a reply the user sees: "label" (less a leading speaker label) or "reference" (see
+  # configs/base.py).
+  c.policy.reply_cut = "label"
   # Qwen2.5-Instruct's own generation_config sampling.
   c.policy.temperature = 0.7
   c.policy.top_p = 0.8
@@ -89,10 +92,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.simulator.top_p = 0.9
   c.simulator.top_k = 0
   c.simulator.max_parse_retries = 2
-  c.simulator.clamp_change = True    # the benchmark limits each change to [-10, 10]
-  c.simulator.state_change_range = 10  # ... and the prompt states that range (0: none)
-  # "clause" (再见/拜拜 ending a clause, not negated) or "substring" (anywhere, as SAGE matches).
-  c.simulator.goodbye_match = "clause"
   c.simulator.score_guidance = False  # no points scale in the prompt (the reference states none)
   c.simulator.change_mode = "sampled"  # "expected": the simulator's mean change (model backend only)
   c.simulator.http_base_url = ""
@@ -122,6 +121,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # reads the fit, inner-reaction and feeling notes), "reference" (training's: fit and feeling) or
   # "chat" (one growing chat; this project's evaluations before 2026-12-04).
   c.eval.info_flow = "sage"
+  # SAGE's rules: each change clamped to [-10, 10] in code, no range stated to the simulator (N:
+  # the prompt asks for [-N, N]), and a dialogue ends on 再见 / 拜拜 anywhere in the user's line
+  # ("substring"; "clause": only a farewell said at a clause end, not negated).
+  c.eval.clamp_change = True
+  c.eval.state_change_range = 0
+  c.eval.goodbye_match = "substring"
 
   # Nothing trains: the policy and the simulator each load straight into their decode layout over
   # the mesh's devices (rlver_jax/spec/layouts.py): 'auto' (tensor parallel over heads, data over

@@ -132,14 +132,25 @@ def load_policy(policy: PolicySpec, mesh):
   return model, ChatTokens(load_tokenizer(path)), path
 
 
-def load_critic(critic: CriticSpec, policy: PolicySpec, mesh, policy_path: str):
-  """The value model: config.critic.checkpoint, or the policy's checkpoint with a zero value head."""
+def load_critic(critic: CriticSpec, policy: PolicySpec, mesh, policy_path: str, seed: int = 0):
+  """The value model: config.critic.checkpoint, or the policy's checkpoint, with a new value head
+  (config.critic.head_init; Hugging Face checkpoints hold none)."""
   path = (resolve_checkpoint(critic.checkpoint, "critic.checkpoint") if critic.checkpoint
           else policy_path)
-  model, _ = load_pretrained(path, dtype=param_dtype_of(policy.compute_dtype), mesh=mesh,
-                             param_dtype=param_dtype_of(policy.param_dtype), head="value",
-                             remat=policy.remat)
+  model, config = load_pretrained(path, dtype=param_dtype_of(policy.compute_dtype), mesh=mesh,
+                                  param_dtype=param_dtype_of(policy.param_dtype), head="value",
+                                  remat=policy.remat)
+  if critic.head_init == "normal":
+    init_value_head(model, jax.random.key(seed), config.initializer_range)
   return model
+
+
+def init_value_head(model, key: jax.Array, std: float) -> None:
+  """N(0, std) value-head weights and a zero bias, as a new Linear layer starts in transformers
+  (the reference's critic); in place, in the head's own sharding and dtype."""
+  head = model.value_head[...]
+  weights = std * jax.random.normal(key, head.shape, jnp.float32)
+  model.value_head[...] = jax.device_put(weights.astype(head.dtype), head.sharding)
 
 
 def check_context(trained: int, max_context: int, setting: str) -> None:

@@ -20,6 +20,13 @@ _SPEAKER_LABEL = re.compile(
     re.IGNORECASE)
 
 
+# What of a reply reaches the user: "label" drops one leading speaker label (_SPEAKER_LABEL);
+# "reference" is the RLVER reference's cut: in think mode the text after the last 你： / 你:, in
+# no-think mode the text as it is.
+REPLY_CUTS = ("label", "reference")
+_REFERENCE_LABELS = ("你：", "你:")
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicyTurn:
   """One parsed policy turn: optional thought, the visible reply, and whether the format held."""
@@ -49,12 +56,24 @@ def _last_thought(text: str) -> str | None:
   return text[open_ + len(THINK_OPEN):close].strip()
 
 
-def parse_policy_output(text: str, think: bool) -> PolicyTurn:
+def cut_reply(visible: str, think: bool, cut: str = "label") -> str:
+  """The part of the visible text (after the last </think>) that the user sees (REPLY_CUTS)."""
+  if cut == "label":
+    return strip_speaker_label(visible.strip())
+  if cut != "reference":
+    raise ValueError(f"unknown reply cut {cut!r}; expected one of {REPLY_CUTS}")
+  if think:
+    start = max((visible.rfind(m) + len(m) for m in _REFERENCE_LABELS if m in visible), default=0)
+    visible = visible[start:]
+  return visible.strip()
+
+
+def parse_policy_output(text: str, think: bool, reply_cut: str = "label") -> PolicyTurn:
   """Splits raw policy text into thought and visible reply, and checks the expected format."""
   text = strip_stop(text)
   close = text.rfind(THINK_CLOSE)
   visible = text[close + len(THINK_CLOSE):] if close >= 0 else text
-  reply = strip_speaker_label(visible.strip())
+  reply = cut_reply(visible, think, reply_cut)
   thought = _last_thought(text)
   n_open, n_close = text.count(THINK_OPEN), text.count(THINK_CLOSE)
   if think:

@@ -44,11 +44,11 @@ _CHAT_PARTNER = {
     "zh": "你正在和另一个人聊天，像平常那样自然地和对方交谈。",
 }
 # What SAGE asks of the evaluated policy, in this project's words: an emotionally intelligent
-# partner whose aim is that the user feels better.
+# partner whose aims are that the user feels better and gets the help they need.
 _SAGE = {
-    "en": ("You are a person of high emotional intelligence, talking with someone. Your aim in "
-           "this conversation is to help them feel better."),
-    "zh": "你是一个情商很高的人，正在和一个人聊天。你这次聊天的目标是让对方感觉好一些。",
+    "en": ("You are a person of high emotional intelligence, talking with someone. Your aims in "
+           "this conversation: help them feel better, and see that they get the help they need."),
+    "zh": "你是一个情商很高的人，正在和一个人聊天。你这次聊天的目标：让对方感觉好一些，并让对方得到所需要的帮助。",
 }
 # The released RLVER training prompts' meaning (policy.prompt 'reference'), in this project's words:
 # a friend with a knack for emotionally intelligent replies, aiming at the friend's mood or a closer

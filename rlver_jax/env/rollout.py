@@ -32,6 +32,9 @@ from rlver_jax.sampling.strategies import SamplingParams
 from rlver_jax.parallel.sharding import host_array
 
 REWARD_MODES = ("terminal", "per_turn")
+# What `history_chars` counts: the dialogue's visible lines, or the policy's whole prompt as the
+# chat template renders it (system prompt, role tags, the lines; the RLVER reference's measure).
+HISTORY_MEASURES = ("visible", "rendered")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +53,14 @@ class RolloutConfig:
   share_prefix: bool = True      # rows of a group with the same opening prompt prefill it once
   stop_sequences: tuple[str, ...] = ()  # strings that end a policy turn on device (answer_stops)
   rows: int = 0                  # cache rows lent to dialogues (0: all at once, one key per turn)
-  history_chars: int = 0         # end a dialogue whose visible text passes this (0: no limit)
+  history_chars: int = 0         # end a dialogue whose history passes this (0: no limit) ...
+  history_measure: str = "visible"  # ... counted as HISTORY_MEASURES says
+  reply_cut: str = "label"       # what of a reply the user sees (chat.REPLY_CUTS)
 
   def __post_init__(self):
+    if self.history_measure not in HISTORY_MEASURES:
+      raise ValueError(f"unknown history_measure {self.history_measure!r}; expected one of "
+                       f"{HISTORY_MEASURES}")
     if self.rows < 0:
       raise ValueError(f"rollout.rows={self.rows}: must be >= 0 (0 = a row per dialogue)")
     if self.reward_mode not in REWARD_MODES:
@@ -135,6 +143,7 @@ class _Row:
   replies: list[str] = dataclasses.field(default_factory=list)
   thoughts: list[str | None] = dataclasses.field(default_factory=list)
   format_ok: list[bool] = dataclasses.field(default_factory=list)
+  system: str = ""  # the policy's system prompt (the rendered history measure counts it)
 
   def extend(self, tokens: list[int], mask: int = 0, logp: list[float] | None = None) -> None:
     """Appends tokens to the context: sampled ones (mask 1, their log-probs) or given ones."""
@@ -277,7 +286,7 @@ class _Rollout:
       raise ValueError(f"dialogue {b} (profile {profile.id}): the opening prompt is {len(ctx)} "
                        f"tokens, leaving no room for a reply within policy.max_context="
                        f"{self.sampler.max_len} (needs at least {len(ctx) + 2})")
-    return _Row(ctx=ctx, mask=[0] * len(ctx), logp=[0.0] * len(ctx))
+    return _Row(ctx=ctx, mask=[0] * len(ctx), logp=[0.0] * len(ctx), system=system)
 
   def policy_turn(self, live: list[int]) -> _Turn:
     """Decodes one reply for every live dialogue and records it."""
@@ -305,7 +314,8 @@ class _Rollout:
     self.stats.policy_tokens += len(gen)
     self.stats.policy_turns += 1
     row, chat = self.rows[b], self.chat
-    parsed = parse_policy_output(chat.decode(gen, skip_special_tokens=True), self.cfg.think)
+    parsed = parse_policy_output(chat.decode(gen, skip_special_tokens=True), self.cfg.think,
+                                 self.cfg.reply_cut)
     row.raw.append(chat.decode(gen, skip_special_tokens=False))
     row.replies.append(parsed.reply)
     row.thoughts.append(parsed.thought)
@@ -335,7 +345,8 @@ class _Rollout:
       if r.done:
         continue
       limit = self.cfg.history_chars
-      if limit and history_chars(self.users.records[r.row]) > limit:
+      if limit and history_chars(self.users.records[r.row], self.cfg.history_measure,
+                                 self.rows[r.row].system) > limit:
         self.users.end(r.row, "history_long")
         continue
       s = self.slots.row_of[r.row]
@@ -357,10 +368,16 @@ class _Rollout:
     self.cache, self.logits = self.sampler.append(self.params, self.cache, turn.appends, self.logits)
 
 
-def history_chars(rec: UserState) -> int:
-  """Characters of the dialogue's visible lines (the user's and the policy's), the measure of the
-  reference's history limit (it counts its rendered prompt, of which these are the growing part)."""
-  return sum(len(line) for line in rec.replies) + sum(len(line) for line in rec.policy_replies)
+def history_chars(rec: UserState, measure: str = "visible", system: str = "") -> int:
+  """The length of the dialogue's history before the next policy turn (HISTORY_MEASURES): its
+  visible lines (the user's and the policy's), or the policy's prompt rendered as ChatML text with
+  `system` first, every line in its role's tags, and the next turn's header."""
+  lines = sum(len(line) for line in rec.replies) + sum(len(line) for line in rec.policy_replies)
+  if measure == "visible":
+    return lines
+  roles = ["system"] + ["user"] * len(rec.replies) + ["assistant"] * len(rec.policy_replies)
+  tags = sum(len(f"<|im_start|>{role}\n<|im_end|>\n") for role in roles)
+  return len(system) + lines + tags + len("<|im_start|>assistant\n")
 
 
 def _finish(b: int, row: _Row, profile: Profile, group_id: int, rec: UserState,

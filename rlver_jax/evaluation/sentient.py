@@ -52,7 +52,8 @@ def run_profiles(profiles: Sequence[Profile], backend, *, sampler: Sampler, para
                  rollout: RolloutConfig, users: EvalSpec, simulator: SimulatorSpec, rng: jax.Array,
                  progress: bool = False) -> list[Dialogue]:
   """Plays every profile once, `users.batch_size` dialogues at a time, with the users' rules of
-  config.eval (start emotion, turns, end) and config.simulator (style, retries, clamp, guidance);
+  config.eval (start emotion, turns, end, change clamp and range, goodbyes) and config.simulator
+  (style, retries, guidance);
   Dialogues in profile order.
 
   Batch i samples with `fold_in(rng, i)`; `group_id` is the profile's index in `profiles`.

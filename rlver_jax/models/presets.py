@@ -30,6 +30,7 @@ class Qwen2Config:
   eos_token_id: int | tuple[int, ...] | None = None
   pad_token_id: int | None = None
   checkpoint_dtype: str = "bfloat16"
+  initializer_range: float = 0.02  # std of the checkpoint's random init (a new value head's)
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -161,7 +162,8 @@ def from_hf_config(cfg: dict[str, Any] | str, source: str = "config.json") -> Qw
       qkv_bias=bias, max_position_embeddings=cfg.get("max_position_embeddings", 32768),
       bos_token_id=cfg.get("bos_token_id"),
       eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-      pad_token_id=cfg.get("pad_token_id"), checkpoint_dtype=str(dtype))
+      pad_token_id=cfg.get("pad_token_id"), checkpoint_dtype=str(dtype),
+      initializer_range=float(cfg.get("initializer_range", 0.02)))
 
 
 def to_hf_config(config: Qwen2Config) -> dict[str, Any]:
@@ -187,6 +189,7 @@ def to_hf_config(config: Qwen2Config) -> dict[str, Any]:
       "eos_token_id": list(config.eos_token_id) if isinstance(config.eos_token_id, tuple)
                       else config.eos_token_id,
       "pad_token_id": config.pad_token_id,
+      "initializer_range": config.initializer_range,
       "dtype": config.checkpoint_dtype,
       "torch_dtype": config.checkpoint_dtype,
   }

@@ -16,7 +16,7 @@ import numpy as np
 from rlver_jax.rl.advantages import grpo_advantages
 from rlver_jax.rl.pack import Packed
 from rlver_jax.rl.prepare import (ScoredDialogue, Targets, critic_targets, grpo_row_advantages,
-                                  stat_rows)
+                                  reference_value_mask, stat_rows)
 from rlver_jax.rl.turn_credit import dialogue_turn_advantages, turn_row_advantages
 
 
@@ -101,10 +101,12 @@ class GRPO:
 
 @dataclasses.dataclass(frozen=True)
 class PPO:
-  """Token rewards, a learned value baseline, GAE(gamma, lam), optionally whitened."""
+  """Token rewards, a learned value baseline, GAE(gamma, lam), optionally whitened; the critic
+  trains on `value_mask`'s tokens (`prepare.VALUE_MASKS`)."""
   gamma: float = 1.0
   lam: float = 1.0
   whiten: bool = True
+  value_mask: str = "policy_tokens"
   name = "ppo"
   has_critic = True
   grouped = False
@@ -123,8 +125,10 @@ class PPO:
               values: np.ndarray | None) -> Targets:
     """GAE over the policy tokens from the token rewards and the critic's [N, T] values."""
     del dialogues
+    walk = (None if self.value_mask == "policy_tokens"
+            else reference_value_mask(packed.loss_mask, packed.segment_ids))
     return critic_targets(token_rewards, values, packed.loss_mask, gamma=self.gamma, lam=self.lam,
-                          whiten=self.whiten)
+                          whiten=self.whiten, value_mask=walk)
 
   def warning_groups(self, groups: list[int]) -> list[int]:
     """Every dialogue in one group: PPO's step warnings look at the whole batch."""
@@ -135,10 +139,10 @@ Algorithm = Union[GRPO, PPO]
 ALGORITHMS = ("grpo", "ppo")
 
 
-def algorithm_named(name: str, rl: RLSettings) -> Algorithm:
-  """The algorithm config.algo names, with its config.rl settings."""
+def algorithm_named(name: str, rl: RLSettings, value_mask: str = "policy_tokens") -> Algorithm:
+  """The algorithm config.algo names, with its config.rl settings (and PPO's critic.value_mask)."""
   if name == "grpo":
     return GRPO(mean_only=rl.grpo_mean_only, turn_credit=rl.turn_credit, group_stats=rl.group_stats)
   if name == "ppo":
-    return PPO(gamma=rl.gamma, lam=rl.lam, whiten=rl.whiten_advantages)
+    return PPO(gamma=rl.gamma, lam=rl.lam, whiten=rl.whiten_advantages, value_mask=value_mask)
   raise ValueError(f"unknown algorithm {name!r} (expected one of {ALGORITHMS})")

@@ -147,7 +147,8 @@ class UpdateBatch:
   int32: tokens, segment_ids (1 on real tokens, 0 on padding). float32: the rest. A pytree: `jit`
   and `lax.scan` see its arrays, `mini_batches` is static. Optional fields are None when the step
   has no use for them: `ref_logp` only with a KL term in the loss, `old_values` and `returns` only
-  for a critic, `weights` until `Updater.step` adds them, `rollout_logp` only in hand-built batches.
+  for a critic, `weights` until `Updater.step` adds them, `rollout_logp` only in hand-built batches,
+  `value_mask` only where the critic trains on other tokens than the policy (`critic.value_mask`).
   """
   tokens: jax.Array
   segment_ids: jax.Array
@@ -159,6 +160,7 @@ class UpdateBatch:
   ref_logp: jax.Array | None = None      # the reference policy's log-probs (KL in the loss)
   old_values: jax.Array | None = None    # the critic's values at the rollout's weights
   returns: jax.Array | None = None
+  value_mask: jax.Array | None = None    # the tokens the critic trains on (None: loss_mask)
   mini_batches: int = dataclasses.field(default=1, metadata=_STATIC)  # updates per epoch in it
 
   @classmethod
@@ -171,7 +173,14 @@ class UpdateBatch:
     f32 = spec(jnp.float32)
     return cls(tokens=spec(jnp.int32), segment_ids=spec(jnp.int32), loss_mask=f32, old_logp=f32,
                advantages=f32, rollout_logp=f32, weights=f32, ref_logp=f32 if ref_logp else None,
-               old_values=f32 if values else None, returns=f32 if values else None)
+               old_values=f32 if values else None, returns=f32 if values else None,
+               value_mask=f32 if values else None)
+
+  def trained_mask(self, loss: str) -> jax.Array:
+    """The tokens a loss trains on: the critic's `value_mask` where there is one, else `loss_mask`."""
+    if loss == "value" and self.value_mask is not None:
+      return self.value_mask
+    return self.loss_mask
 
   def arrays(self) -> dict[str, jax.Array]:
     """The fields that are present, by name, in field order."""

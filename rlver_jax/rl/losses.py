@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from rlver_jax.rl.rollout_correction import correction_weights
 
 _F32 = jnp.float32
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "chunk-token-mean")
 KL_KINDS = ("k1", "k2", "k3")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 
@@ -45,50 +45,57 @@ def aggregate(
     mode: str = "token-mean",
     *,
     norm_len: int | None = None,
+    chunks: int = 1,
     weights: jax.Array | None = None,
 ) -> jax.Array:
-  """Reduces a [B, T] per-token loss to a scalar.
+  """Reduces a [B, T] per-token loss to a scalar: sum(loss * token_weights(mask, mode, ...)).
 
   With `weights` (from `token_weights` over a larger batch), returns sum(loss * weights): summing
   that over micro-batches gives exactly the aggregate of the whole batch.
+  """
+  x = loss_tokens.astype(_F32)
+  if weights is None:
+    weights = token_weights(mask, mode, norm_len=norm_len, chunks=chunks)
+  return (x * weights).sum()
+
+
+def token_weights(mask: jax.Array, mode: str = "token-mean", *, norm_len: int | None = None,
+                  chunks: int = 1) -> jax.Array:
+  """[B, T] weights with sum(x * weights) the loss of per-token values x under `mode`.
 
   Modes:
     token-mean: sum over all policy tokens / number of policy tokens (long sequences weigh more).
     seq-mean-token-mean: mean over sequences of each sequence's token mean.
     seq-mean-token-sum-norm: each sequence's token sum / a constant (norm_len, default T), then
       the mean over sequences (Dr.GRPO: no per-sequence length normalisation).
-  In both seq modes, sequences with no policy tokens (batch padding) are left out of the mean.
+    chunk-token-mean: the rows that hold policy tokens, in order, cut into `chunks` consecutive
+      runs as even as possible (sizes differ by at most one row); a token mean inside each run,
+      then the mean over the runs. A data-parallel trainer whose every device takes a token mean
+      over its share of the rows and averages gradients computes this (the RLVER reference: 32
+      GPUs). One row a run is seq-mean-token-mean; one run is token-mean.
+  Rows without policy tokens (batch padding) weigh nothing and count in no mean.
   """
-  if mode not in AGG_MODES:
-    raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
-  x = loss_tokens.astype(_F32)
-  if weights is not None:
-    return (x * weights).sum()
-  w = (mask > 0).astype(_F32)
-  if mode == "token-mean":
-    return _masked_mean(x, w)
-  seq_sum = (x * w).sum(-1)
-  seq_len = w.sum(-1)
-  if mode == "seq-mean-token-mean":
-    per_seq = seq_sum / jnp.maximum(seq_len, 1.0)
-  else:
-    per_seq = seq_sum / float(x.shape[-1] if norm_len is None else norm_len)
-  has_tokens = (seq_len > 0).astype(_F32)
-  return (per_seq * has_tokens).sum() / jnp.maximum(has_tokens.sum(), 1.0)
-
-
-def token_weights(mask: jax.Array, mode: str = "token-mean", *, norm_len: int | None = None) -> jax.Array:
-  """[B, T] weights with sum(x * weights) == aggregate(x, mask, mode) for any x."""
   if mode not in AGG_MODES:
     raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
   w = (mask > 0).astype(_F32)
   if mode == "token-mean":
     return w / jnp.maximum(w.sum(), 1.0)
   seq_len = w.sum(-1, keepdims=True)
-  num_seqs = jnp.maximum((seq_len > 0).sum(), 1.0)
+  has = seq_len[:, 0] > 0
+  num_seqs = jnp.maximum(has.sum(), 1.0)
   if mode == "seq-mean-token-mean":
     return w / jnp.maximum(seq_len, 1.0) / num_seqs
-  return w / float(mask.shape[-1] if norm_len is None else norm_len) / num_seqs
+  if mode == "seq-mean-token-sum-norm":
+    return w / float(mask.shape[-1] if norm_len is None else norm_len) / num_seqs
+  if chunks < 1:
+    raise ValueError(f"chunk-token-mean needs chunks >= 1, got {chunks}")
+  # Run of each row: its rank among the rows with policy tokens, scaled to [0, chunks).
+  rank = jnp.cumsum(has) - 1
+  run = jnp.where(has, (rank * chunks) // jnp.maximum(has.sum(), 1), chunks)
+  run_tokens = jax.ops.segment_sum(seq_len[:, 0], run, num_segments=chunks + 1)[:chunks]
+  num_runs = jnp.maximum((run_tokens > 0).sum(), 1.0)
+  per_row = jnp.append(run_tokens, 1.0)[run]
+  return w / jnp.maximum(per_row, 1.0)[:, None] / num_runs
 
 
 def policy_loss(
@@ -103,6 +110,7 @@ def policy_loss(
     dual_clip: float | None = None,
     agg: str = "token-mean",
     norm_len: int | None = None,
+    chunks: int = 1,
     rollout_logp: jax.Array | None = None,
     is_correction: str = "none",
     is_cap: float | None = None,
@@ -140,7 +148,7 @@ def policy_loss(
     metrics["is_weight_mean"] = _masked_mean(correction, w)
   metrics.update(_ratio_metrics(log_ratio, ratio, clip_active, dual_active, w))
   metrics = {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
-  return aggregate(loss_tok, mask, agg, norm_len=norm_len, weights=weights), metrics
+  return aggregate(loss_tok, mask, agg, norm_len=norm_len, chunks=chunks, weights=weights), metrics
 
 
 def _sequence_log_ratio(log_ratio: jax.Array, logp: jax.Array, w: jax.Array) -> jax.Array:
@@ -195,6 +203,7 @@ def value_loss(
     clip_eps: float | None = 0.5,
     agg: str = "token-mean",
     norm_len: int | None = None,
+    chunks: int = 1,
     weights: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Clipped value loss 0.5 * max((v - R)^2, (clip(v, old - eps, old + eps) - R)^2), inputs [B, T].
@@ -217,7 +226,7 @@ def value_loss(
     clip_active = err_clipped > err
 
   metrics = {"vf_clip_frac": jax.lax.stop_gradient(_masked_mean(clip_active.astype(_F32), w))}
-  return aggregate(loss_tok, mask, agg, norm_len=norm_len, weights=weights), metrics
+  return aggregate(loss_tok, mask, agg, norm_len=norm_len, chunks=chunks, weights=weights), metrics
 
 
 def explained_variance(values: jax.Array, returns: jax.Array, mask: jax.Array) -> jax.Array:
@@ -246,10 +255,11 @@ def entropy_bonus(
     agg: str = "token-mean",
     *,
     norm_len: int | None = None,
+    chunks: int = 1,
     weights: jax.Array | None = None,
 ) -> jax.Array:
   """Aggregated [B, T] entropy; the trainer subtracts coef * this from the loss."""
-  return aggregate(entropy, mask, agg, norm_len=norm_len, weights=weights)
+  return aggregate(entropy, mask, agg, norm_len=norm_len, chunks=chunks, weights=weights)
 
 
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, kind: str = "k3") -> jax.Array:
@@ -276,11 +286,12 @@ def kl_loss(
     agg: str = "token-mean",
     *,
     norm_len: int | None = None,
+    chunks: int = 1,
     weights: jax.Array | None = None,
 ) -> jax.Array:
   """KL-to-reference as a loss term (GRPO style), aggregated over policy tokens."""
   kl = kl_penalty(logp, jax.lax.stop_gradient(ref_logp), kind)
-  return aggregate(kl, mask, agg, norm_len=norm_len, weights=weights)
+  return aggregate(kl, mask, agg, norm_len=norm_len, chunks=chunks, weights=weights)
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -56,24 +56,47 @@ def stat_rows(dialogues: Sequence[PackableDialogue]) -> np.ndarray:
 
 class Targets(NamedTuple):
   """What an algorithm makes of a packed batch: advantages on every policy token, the critic's returns
-  (None without a critic) and the batch metrics it adds."""
+  and the tokens it trains on (None without a critic) and the batch metrics it adds."""
   advantages: np.ndarray        # [N, T] float32
   returns: np.ndarray | None    # [N, T]
   metrics: dict[str, float]
+  value_mask: np.ndarray | None = None  # [N, T]
+
+
+# The tokens the critic trains on: the policy's own ("policy_tokens"), or the RLVER reference's
+# (verl's critic takes the response's attention mask shifted by one: from the first policy token
+# through the position after the sample's last token, simulated-user tokens inside included).
+VALUE_MASKS = ("policy_tokens", "reference")
+
+
+def reference_value_mask(loss_mask: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
+  """[N, T] 1 from each row's first policy token through one past its last real token (where the
+  row has room for it); rows without policy tokens get none."""
+  T = loss_mask.shape[-1]
+  has = (loss_mask > 0).any(-1)
+  first = np.where(has, (loss_mask > 0).argmax(-1), T)
+  past_end = (segment_ids > 0).sum(-1)  # real tokens are each row's prefix
+  t = np.arange(T)[None, :]
+  return ((t >= first[:, None]) & (t <= past_end[:, None])).astype(np.float32)
 
 
 def critic_targets(rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, *, gamma: float,
-                   lam: float, whiten: bool) -> Targets:
-  """GAE advantages and returns from per-token rewards and the critic's values."""
-  adv, ret = adv_lib.gae(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(mask), gamma=gamma,
+                   lam: float, whiten: bool, value_mask: np.ndarray | None = None) -> Targets:
+  """GAE advantages (on policy tokens, whitened over them) and the critic's returns from per-token
+  rewards and the critic's values. With `value_mask` the recursion walks its positions instead of
+  the policy tokens alone, as the reference's walks every response position: its returns are the
+  critic's targets there; without, the critic trains on the policy tokens."""
+  walk = mask if value_mask is None else value_mask
+  adv, ret = adv_lib.gae(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(walk), gamma=gamma,
                          lam=lam)
+  adv = adv * jnp.asarray(mask > 0)
   if whiten:
     adv = adv_lib.whiten(adv, jnp.asarray(mask))
-  metrics = {"value_mean": float((values * mask).sum() / max(mask.sum(), 1)),
+  metrics = {"value_mean": float((values * walk).sum() / max(walk.sum(), 1)),
              # Over the whole batch (per micro-batch it would be 0 for every row whose returns are
              # constant, as every row's are at gamma = 1).
-             "critic/explained_variance": _explained_variance(values, ret, mask)}
-  return Targets(np.asarray(adv), np.asarray(ret), metrics)
+             "critic/explained_variance": _explained_variance(values, ret, walk)}
+  return Targets(np.asarray(adv), np.asarray(ret), metrics, np.asarray(walk, np.float32))
 
 
 def _explained_variance(values: np.ndarray, returns: jax.Array, mask: np.ndarray) -> float:

@@ -34,6 +34,7 @@ class LossConfig:
   dual_clip: float | None = None
   agg: str = "token-mean"
   norm_len: int | None = None
+  chunks: int = 1               # chunk-token-mean's runs (rl.loss_agg_chunks)
   entropy_coef: float = 0.001
   kl_coef: float = 0.0          # KL-to-reference in the loss (0: off, as in the paper)
   kl_kind: str = "k3"
@@ -127,7 +128,7 @@ def _policy_loss(model: Qwen2, mb: UpdateBatch, cfg: LossConfig):
 
 def _value_loss(critic: Qwen2, mb: UpdateBatch, cfg: LossConfig):
   values = token_values(critic, mb.tokens, mb.segment_ids)
-  loss, metrics = losses.value_loss(values, mb.old_values, mb.returns, mb.loss_mask,
+  loss, metrics = losses.value_loss(values, mb.old_values, mb.returns, mb.trained_mask("value"),
                                     clip_eps=cfg.value_clip, weights=mb.weights)
   return loss, dict(metrics, vf_loss=loss)
 
@@ -150,6 +151,7 @@ class Updater:
   def __init__(self, model: Qwen2, optimizer: optax.GradientTransformation, loss: str, cfg: LossConfig):
     self.graphdef, _, self.rest = nnx.split(model, nnx.Param, ...)
     self.optimizer = optimizer
+    self.loss = loss
     self.loss_fn = LOSSES[loss]
     self.cfg = cfg
     self._step = jax.jit(self._step_impl, donate_argnums=(0, 1))
@@ -173,9 +175,9 @@ class Updater:
 
   def weighted(self, batch: UpdateBatch) -> UpdateBatch:
     """`batch` with its loss weights, computed once over the whole mini-batch (what `_step` takes)."""
-    mask = batch.loss_mask
+    mask = batch.trained_mask(self.loss)
     weights = losses.token_weights(mask.reshape(-1, mask.shape[-1]), self.cfg.agg,
-                                   norm_len=self.cfg.norm_len)
+                                   norm_len=self.cfg.norm_len, chunks=self.cfg.chunks)
     return dataclasses.replace(batch, weights=weights.reshape(mask.shape))
 
   def _step_impl(self, params, opt_state, batch: UpdateBatch, lr_scale: jax.Array | None = None):
@@ -200,7 +202,7 @@ class Updater:
     # per-token means of each micro-batch: weight them by its token count, so a short or all-padding
     # micro-batch does not count as much as a full one.
     summed = {"loss", "pg_loss", "entropy", "kl_loss", "vf_loss"}
-    counts = (batch.loss_mask > 0).sum(axis=(1, 2)).astype(_F32)
+    counts = (batch.trained_mask(self.loss) > 0).sum(axis=(1, 2)).astype(_F32)
     per_token = lambda v: (v * counts).sum() / jnp.maximum(counts.sum(), 1.0)
     metrics = {k: (v.sum() if k in summed else per_token(v)) for k, v in per_mb.items()}
     if "ratio_max" in metrics:

@@ -39,6 +39,7 @@ class RLSpec:
   value_clip: float = 0.5
   entropy_coef: float = 0.001
   loss_agg: str = "token-mean"
+  loss_agg_chunks: int = 32
   loss_norm_len: int = 0
   kl_coef: float = 0.0
   kl_kind: str = "k3"
@@ -59,6 +60,9 @@ class RLSpec:
     require("rl.mini_batches", self.mini_batches, self.mini_batches == 1 or self.mini_batch_rows == 0,
             "1 unless rl.mini_batch_rows=0 (mini-batches are counted in rows otherwise)")
     require("rl.loss_agg", self.loss_agg, self.loss_agg in AGG_MODES, f"one of {AGG_MODES}")
+    require("rl.loss_agg_chunks", self.loss_agg_chunks,
+            _is_int(self.loss_agg_chunks) and self.loss_agg_chunks >= 1,
+            "an int >= 1 (chunk-token-mean's runs of rows: the reference's data-parallel width)")
     require("rl.kl_kind", self.kl_kind, self.kl_kind in KL_KINDS, f"one of {KL_KINDS}")
     require("rl.dual_clip", self.dual_clip, self.dual_clip == 0 or self.dual_clip > 1,
             "0 (off) or > 1")

@@ -64,8 +64,8 @@ def _top_level(cls, tree: dict, strict: bool) -> dict:
 
 
 def _rollout_config(policy: PolicySpec, rl: RLSpec, prompt: str, *, eval_mode: bool,
-                    rows: int = 0, history_chars: int = 0, max_new_tokens: int = 0
-                    ) -> RolloutConfig:
+                    rows: int = 0, history_chars: int = 0, history_measure: str = "visible",
+                    max_new_tokens: int = 0) -> RolloutConfig:
   return RolloutConfig(think=policy.think, keep_thoughts=policy.keep_thoughts,
                        max_new_tokens=max_new_tokens or policy.max_new_tokens,
                        temperature=policy.temperature,
@@ -76,7 +76,8 @@ def _rollout_config(policy: PolicySpec, rl: RLSpec, prompt: str, *, eval_mode: b
                        system_prompt=prompt if eval_mode else "training",
                        training_prompt=policy.prompt,
                        share_prefix=rl.share_prefix, stop_sequences=policy.stop_sequences,
-                       rows=rows, history_chars=0 if eval_mode else history_chars)
+                       rows=rows, history_chars=0 if eval_mode else history_chars,
+                       history_measure=history_measure, reply_cut=policy.reply_cut)
 
 
 def _checkpoints(policy: PolicySpec, simulator: SimulatorSpec, critic: str = "") -> dict[str, str]:
@@ -166,7 +167,7 @@ class RunSpec:
 
   @property
   def algorithm(self) -> Algorithm:
-    return algorithm_named(self.algo, self.rl)
+    return algorithm_named(self.algo, self.rl, self.critic.value_mask)
 
   @property
   def checkpoints(self) -> dict[str, str]:
@@ -182,7 +183,8 @@ class RunSpec:
   def rollout_config(self) -> RolloutConfig:
     """The training rollout: the policy's sampling, the configured rewards."""
     return _rollout_config(self.policy, self.rl, "training", eval_mode=False,
-                           rows=self.rollout.rows, history_chars=self.simulator.history_chars)
+                           rows=self.rollout.rows, history_chars=self.simulator.history_chars,
+                           history_measure=self.simulator.history_measure)
 
   def holdout_rollout_config(self) -> RolloutConfig:
     """The held-out evaluation during training: eval sampling (config.eval), terminal rewards."""
@@ -196,6 +198,7 @@ class RunSpec:
     # Dr.GRPO's divisor is a constant of the run, not the packed length of each step's batch.
     return LossConfig(clip_low=r.clip_low, clip_high=r.clip_high, dual_clip=r.dual_clip or None,
                       agg=r.loss_agg, norm_len=r.loss_norm_len or self.policy.max_context,
+                      chunks=r.loss_agg_chunks,
                       entropy_coef=r.entropy_coef, kl_coef=0.0 if r.kl_in_reward else r.kl_coef,
                       kl_kind=r.kl_kind, policy_loss=r.policy_loss,
                       is_correction=r.correction[0], is_cap=r.correction[1],
@@ -215,7 +218,9 @@ class EvaluationSpec:
   policy: PolicySpec = PolicySpec()
   simulator: SimulatorSpec = SimulatorSpec()
   data: DataSpec = DataSpec()
-  eval: EvalSpec = EvalSpec(policy_max_new_tokens=5000)
+  # SAGE's rules: no range stated to the simulator, the change clamped in code, any 再见 / 拜拜.
+  eval: EvalSpec = EvalSpec(policy_max_new_tokens=5000, state_change_range=0,
+                            goodbye_match="substring")
   rollout: EvalRolloutSpec = EvalRolloutSpec()
   mesh: MeshConfig = MeshConfig()
   log: LogSpec = LogSpec()

@@ -7,14 +7,16 @@ import importlib.util
 import re
 from typing import Any
 
-from rlver_jax.env.chat import GOODBYE_MATCHES, SYSTEM_PROMPTS, TRAINING_PROMPTS
+from rlver_jax.env.chat import GOODBYE_MATCHES, REPLY_CUTS, SYSTEM_PROMPTS, TRAINING_PROMPTS
 from rlver_jax.env.info_flow import INFO_FLOWS
 from rlver_jax.env.profiles import PROFILE_SAMPLINGS
+from rlver_jax.env.rollout import HISTORY_MEASURES
 from rlver_jax.env.expected_change import CHANGE_MODES
 from rlver_jax.env.simulator_prompts import LANGUAGES, STYLES
 from rlver_jax.env.user_rules import UserRules
 from rlver_jax.env.user_state import end_below_need, start_emotion_need
 from rlver_jax.models.quant import FORMATS
+from rlver_jax.rl.prepare import VALUE_MASKS
 from rlver_jax.rl.update import OptimConfig
 from rlver_jax.sampling.strategies import sampling_needs
 
@@ -91,10 +93,12 @@ class PolicySpec:
   language: str = ""             # "" = each profile's own
   stop_sequences: tuple[str, ...] = ()
   prompt: str = "project"        # the training system prompt (chat.TRAINING_PROMPTS)
+  reply_cut: str = "label"       # what of a reply the user sees (chat.REPLY_CUTS)
 
   def __post_init__(self):
     require("policy.prompt", self.prompt, self.prompt in TRAINING_PROMPTS,
             f"one of {TRAINING_PROMPTS}")
+    require("policy.reply_cut", self.reply_cut, self.reply_cut in REPLY_CUTS, f"one of {REPLY_CUTS}")
     require("policy.language", self.language, self.language in ("",) + LANGUAGES,
             f"'' (each profile's own) or one of {LANGUAGES}")
     require("policy.stop_sequences", self.stop_sequences,
@@ -111,10 +115,22 @@ class PolicySpec:
     return self.temperature != 1.0 or self.top_p != 1.0 or self.top_k != 0
 
 
+HEAD_INITS = ("zeros", "normal")
+
+
 @dataclasses.dataclass(frozen=True)
 class CriticSpec:
-  """config.critic (PPO): "" starts the critic from the policy checkpoint plus a zero value head."""
+  """config.critic (PPO): "" starts the critic from the policy checkpoint plus a new value head;
+  which tokens its loss trains on (`rl.prepare.VALUE_MASKS`) and how the head starts ("normal":
+  the reference's, N(0, initializer_range of the checkpoint's config))."""
   checkpoint: str = ""
+  value_mask: str = "policy_tokens"
+  head_init: str = "zeros"
+
+  def __post_init__(self):
+    require("critic.value_mask", self.value_mask, self.value_mask in VALUE_MASKS,
+            f"one of {VALUE_MASKS}")
+    require("critic.head_init", self.head_init, self.head_init in HEAD_INITS, f"one of {HEAD_INITS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +172,7 @@ class SimulatorSpec:
   end_above: int = 100
   goodbye_match: str = "clause"
   history_chars: int = 0
+  history_measure: str = "visible"  # what history_chars counts (env.rollout.HISTORY_MEASURES)
   mesh: str = "auto"
 
   def __post_init__(self):
@@ -207,19 +224,20 @@ class SimulatorSpec:
             f"one of {GOODBYE_MATCHES}")
     require("simulator.history_chars", self.history_chars, _is_int(self.history_chars)
             and self.history_chars >= 0, "an int >= 0 (0 = no limit)")
+    require("simulator.history_measure", self.history_measure,
+            self.history_measure in HISTORY_MEASURES, f"one of {HISTORY_MEASURES}")
 
   def user_rules(self, users: "EvalSpec | None" = None) -> UserRules:
     """The simulated users' rules: training's, or with `users` an evaluation's (its start emotion,
-    turn limit, information flow and end, which is always at 100; the style and the simulator's
-    other rules stay this section's)."""
+    turn limit, information flow, change rules and goodbye detection, and an end at 100; the style
+    and the simulator's other settings stay this section's)."""
     game = users or self
     return UserRules(style=self.style, start_emotion=game.start_emotion, max_turns=game.max_turns,
                      max_parse_retries=self.max_parse_retries, end_below=game.end_below,
-                     clamp_change=self.clamp_change, score_guidance=self.score_guidance,
-                     info_flow=users.info_flow if users else self.info_flow,
-                     change_mode=self.change_mode,
-                     change_range=self.state_change_range,
-                     end_above=100 if users else self.end_above, goodbye_match=self.goodbye_match)
+                     clamp_change=game.clamp_change, score_guidance=self.score_guidance,
+                     info_flow=game.info_flow, change_mode=self.change_mode,
+                     change_range=game.state_change_range,
+                     end_above=100 if users else self.end_above, goodbye_match=game.goodbye_match)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,8 +356,17 @@ class EvalSpec:
   batch_size: int = 32
   policy_max_new_tokens: int = 0  # per policy turn, thought included; 0 = policy.max_new_tokens
   info_flow: str = "sage"        # the simulator's information flow in evaluation
+  # The evaluation's change and goodbye rules (the simulator's section holds training's).
+  clamp_change: bool = True
+  state_change_range: int = 10
+  goodbye_match: str = "clause"
 
   def __post_init__(self):
+    r = self.state_change_range
+    require("eval.state_change_range", r, _is_int(r) and r >= 0,
+            "an int >= 0 (the prompt states [-N, N]; 0 = no range stated)")
+    require("eval.goodbye_match", self.goodbye_match, self.goodbye_match in GOODBYE_MATCHES,
+            f"one of {GOODBYE_MATCHES}")
     n = self.policy_max_new_tokens
     require("eval.policy_max_new_tokens", n, _is_int(n) and n >= 0,
             "an int >= 0 (0 = policy.max_new_tokens, the training cap)")

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from rlver_jax.env.parsing import MAX_CHANGE
 from rlver_jax.env.rollout import Dialogue, run_dialogues
 from rlver_jax.env.simulator import SimulatedUsers
 from rlver_jax.evaluation.scoring import check_no_simulator_errors, dialogue_markdown, summarize
@@ -26,9 +25,8 @@ def evaluate_holdout(trainer: Trainer, rng, should_stop=None) -> tuple[dict, lis
   e, s = trainer.spec.eval, trainer.spec.simulator
   profiles = trainer.holdout[: e.num_profiles or None]  # 0 = all, as in the eval config
   reseed_simulator(trainer.backend, rng)
-  # The benchmark's change rules (the range stated and clamped, sampled), whatever training reads.
-  rules = dataclasses.replace(s.user_rules(e), clamp_change=True, change_mode="sampled",
-                              change_range=MAX_CHANGE)
+  # The evaluation's change rules (config.eval), the change as sampled, whatever training reads.
+  rules = dataclasses.replace(s.user_rules(e), change_mode="sampled")
   users = SimulatedUsers.playing(profiles, trainer.backend, rules)
   with jax.set_mesh(trainer.mesh):
     dialogues = run_dialogues(profiles, list(range(len(profiles))), users, sampler=trainer.sampler,

@@ -52,7 +52,7 @@ def assemble(spec: RunSpec) -> RunParts:
     policy_up = Updater(policy, make_optimizer(spec.optim.optim_config()), "policy", loss_cfg)
     critic = critic_up = None
     if spec.algorithm.has_critic:
-      critic = build.load_critic(spec.critic, spec.policy, mesh, policy_path)
+      critic = build.load_critic(spec.critic, spec.policy, mesh, policy_path, seed=spec.seed)
       critic_up = Updater(critic, make_optimizer(spec.optim.optim_config(critic=True)), "value",
                           loss_cfg)
   return RunParts(mesh=mesh, layouts=layouts, policy=policy, chat=chat, policy_path=policy_path,

@@ -187,6 +187,7 @@ class Trainer:
                         rollout_logp=device(p.rollout_logp),
                         ref_logp=None if ref_logp is None else device(ref_logp), old_values=values,
                         returns=None if target.returns is None else device(target.returns),
+                        value_mask=None if target.value_mask is None else device(target.value_mask),
                         mini_batches=p.layout.mini_batches)
     return batch, {**metrics, **batch_metrics(p)}
 

@@ -158,3 +158,24 @@ def test_english_does_not_match_chinese_words():
 def test_goodbye_unknown_language():
   with pytest.raises(ValueError):
     chat.says_goodbye("bye", "de")
+
+
+@pytest.mark.parametrize("raw,think,label,reference", [
+    # Think mode: the reference keeps what follows the last 你：/你: of the visible text.
+    ("<think>plan</think>你：别急，慢慢说", True, "你：别急，慢慢说", "别急，慢慢说"),
+    ("<think>plan</think>我：嗯。你:先休息一下吧", True, "嗯。你:先休息一下吧", "先休息一下吧"),
+    ("<think>plan</think>Assistant: take your time", True, "take your time",
+     "Assistant: take your time"),
+    # No-think: the reference passes the text as it is; "label" drops a leading speaker label.
+    ("回复：你：我在听", False, "你：我在听", "回复：你：我在听"),
+    ("Assistant: I'm here", False, "I'm here", "Assistant: I'm here"),
+])
+def test_reply_cut(raw, think, label, reference):
+  assert chat.parse_policy_output(raw, think).reply == label
+  assert chat.parse_policy_output(raw, think, "label").reply == label
+  assert chat.parse_policy_output(raw, think, "reference").reply == reference
+
+
+def test_reply_cut_unknown():
+  with pytest.raises(ValueError, match="reply cut"):
+    chat.parse_policy_output("hi", False, "both")

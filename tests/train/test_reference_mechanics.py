@@ -181,7 +181,25 @@ def test_history_limit_only_in_think_reference_training():
   assert _config("grpo_nothink", "reference").simulator.history_chars == 0
   spec = RunSpec.from_config(_config("grpo_think", "reference"))
   assert spec.rollout_config().history_chars == 5000
+  assert spec.rollout_config().history_measure == "rendered"
   assert spec.holdout_rollout_config().history_chars == 0
+  assert RunSpec.from_config(_config("grpo_think")).rollout_config().history_measure == "visible"
+
+
+def test_rendered_history_is_the_chat_template_text(tiny):
+  # "rendered" counts what the reference counts: the policy's prompt as the ChatML template renders
+  # it (the embedded tokenizer's own template is the reference here); "visible" the lines alone.
+  from types import SimpleNamespace
+  from rlver_jax.env.rollout import history_chars
+  _, chat = tiny
+  rec = SimpleNamespace(replies=["hi there", "我还是很难过。"], policy_replies=["hello, tell me more"])
+  system = "You are a friend."
+  messages = [{"role": "system", "content": system}, {"role": "user", "content": rec.replies[0]},
+              {"role": "assistant", "content": rec.policy_replies[0]},
+              {"role": "user", "content": rec.replies[1]}]
+  rendered = chat.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+  assert history_chars(rec, "rendered", system) == len(rendered) == 17 + 34 + 141  # tags: 30 + 2 x 28 + 33 + 22
+  assert history_chars(rec, "visible", system) == 8 + 7 + 19 == 34
 
 
 # -- rl.group_stats -------------------------------------------------------------------------------
@@ -240,3 +258,10 @@ def test_profile_sampling_with_and_without_replacement():
   assert [p.id for p in restored.next_batch(27)] == ids[13:]
   assert _config("grpo_think", "reference").data.sampling == "with_replacement"
   assert RunSpec.from_config(_config("grpo_think")).data.sampling == "epochs"
+
+
+def test_reply_cut_reaches_the_rollouts():
+  spec = RunSpec.from_config(_config("grpo_think", "reference"))
+  assert spec.rollout_config().reply_cut == "reference"
+  assert spec.holdout_rollout_config().reply_cut == "reference"
+  assert RunSpec.from_config(_config("ppo_nothink")).rollout_config().reply_cut == "label"

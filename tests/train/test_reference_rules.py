@@ -172,20 +172,34 @@ def test_trainer_and_holdout_pass_their_rules(monkeypatch):
   kw = unshared.value.args[0]
   assert kw["groups"] is None
   assert (kw["clamp_change"], kw["change_mode"], kw["style"]) == (False, "expected", "challenging")
-  with pytest.raises(_Stop) as holdout:  # the benchmark's change rules, training's style
+  with pytest.raises(_Stop) as holdout:  # config.eval's change rules, training's style
     holdout_module.evaluate_holdout(trainer, jax.random.key(0))
   kw = holdout.value.args[0]
   assert (kw["clamp_change"], kw["change_mode"], kw["style"]) == (True, "sampled", "challenging")
+  assert (kw["change_range"], kw["goodbye_match"]) == (10, "clause")
+  # :reference: SAGE's rules in the held-out evaluation while training reads the change unclamped.
+  trainer.spec = RunSpec.from_config(_config("grpo_think", "reference"))
+  with pytest.raises(_Stop) as holdout:
+    holdout_module.evaluate_holdout(trainer, jax.random.key(0))
+  kw = holdout.value.args[0]
+  assert trainer.spec.simulator.clamp_change is False
+  assert (kw["clamp_change"], kw["change_range"], kw["goodbye_match"]) == (True, 0, "substring")
 
 
 def test_sentient_users_take_the_eval_game_and_the_simulator_rules():
   ev = _config("eval_sentient")
-  ev.simulator.clamp_change, ev.simulator.style, ev.simulator.max_parse_retries = True, "vanilla", 1
+  # SAGE's change and goodbye rules by default: clamped in code, no range stated, any 再见 / 拜拜.
+  rules = EvaluationSpec.from_config(ev).simulator.user_rules(EvaluationSpec.from_config(ev).eval)
+  assert (rules.clamp_change, rules.change_range, rules.goodbye_match) == (True, 0, "substring")
+  ev.simulator.style, ev.simulator.max_parse_retries = "challenging", 1
   ev.eval.start_emotion, ev.eval.max_turns, ev.eval.end_below = 55, 4, 20
+  ev.eval.clamp_change, ev.eval.state_change_range, ev.eval.goodbye_match = False, 10, "clause"
   spec = EvaluationSpec.from_config(ev)  # its simulator section keeps training's game defaults
   assert (spec.simulator.start_emotion, spec.simulator.max_turns, spec.simulator.end_below) == (30, 9, 1)
+  assert (spec.simulator.clamp_change, spec.simulator.goodbye_match) == (True, "clause")
   rules = spec.simulator.user_rules(spec.eval)
   assert (rules.start_emotion, rules.max_turns, rules.end_below) == (55, 4, 20)
-  assert (rules.clamp_change, rules.style, rules.max_parse_retries) == (True, "vanilla", 1)
+  assert (rules.clamp_change, rules.change_range, rules.goodbye_match) == (False, 10, "clause")
+  assert (rules.style, rules.max_parse_retries) == ("challenging", 1)
   users = SimulatedUsers.playing(load_demo_profiles()[:2], HistoryBackend(), rules)
   assert [r.emotion for r in users.records] == [55, 55] and users.rules == rules

@@ -33,8 +33,10 @@ def main(argv):
   from rlver_jax.env.backends import SimulatorBackendError
   from rlver_jax.parallel.process_zero import ProcessZeroError
   from rlver_jax.run import compile_cache
+  from rlver_jax.run.workdir import refuse_training_workdir
   try:
     spec = EvaluationSpec.from_config(_CONFIG.value)
+    refuse_training_workdir(spec.policy.checkpoint, "--config.policy.checkpoint")
     compile_cache.enable(compile_cache.resolve(spec.compile_cache_dir, _WORKDIR.value))
     summary, paths = sentient.run(spec, _WORKDIR.value)
   # Bad input, an unwritable workdir, or a simulator that cannot answer within its retry bound (on

@@ -24,6 +24,7 @@ from rlver_jax.models import load_pretrained
 from rlver_jax.models.io import hub, storage
 from rlver_jax.models.presets import param_dtype_of
 from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
+from rlver_jax.run.workdir import refuse_training_workdir
 from rlver_jax.cli.flags import parse_flags
 from rlver_jax.sampling.sampler import Sampler
 from rlver_jax.sampling.strategies import SamplingParams
@@ -98,10 +99,7 @@ def check_checkpoint(path: str) -> str:
     path = hub.resolve(path, "--checkpoint")
   if not storage.is_gcs(path) and not os.path.isdir(path):
     raise FileNotFoundError(f"--checkpoint={path}: no such directory")
-  if storage.exists(storage.join(path, "checkpoints")):  # its config.json is the run's, not a model's
-    raise ValueError(f"--checkpoint={path}: is a training workdir, not a Hugging Face checkpoint; "
-                     f"export its policy first (python -m rlver_jax.export --workdir={path} "
-                     "--out=HF_DIR) and pass --checkpoint=HF_DIR")
+  refuse_training_workdir(path, "--checkpoint")
   if not storage.exists(storage.join(path, "config.json")):
     raise FileNotFoundError(f"--checkpoint={path}: no config.json there (not a Hugging Face checkpoint)")
   return path

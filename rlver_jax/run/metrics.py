@@ -78,8 +78,10 @@ class MetricsWriter:
     """A last line cut short (a copy interrupted, an older version killed mid-write, which wrote in
     place) is moved into the set-aside folder once, with one warning; the rows before it stay."""
     lines = self._lines()
+    if not lines:
+      return
     try:
-      json.loads(lines[-1]) if lines else None
+      json.loads(lines[-1])
     except json.JSONDecodeError as e:
       kept = lines[:-1]
       list(self._parsed(kept))  # an unreadable line before it is an error naming it

@@ -86,5 +86,15 @@ def check_is_a_run(workdir: str) -> None:
                      "use a new or empty directory")
 
 
+def refuse_training_workdir(path: str, setting: str) -> None:
+  """A model input that is a training workdir (its config.json is the run's, not a model's) is
+  refused with the way to get a model out of it, before anything reads it as one."""
+  from rlver_jax.models.io import storage
+  if storage.exists(storage.join(path, "checkpoints")):
+    raise ValueError(f"{setting}={path}: is a training workdir, not a Hugging Face checkpoint; export "
+                     f"its policy first (python -m rlver_jax.export --workdir={path} --out=HF_DIR) "
+                     f"and pass {setting}=HF_DIR")
+
+
 def _reason(e: OSError) -> str:
   return e.strerror or str(e) or type(e).__name__

@@ -79,18 +79,23 @@ def test_a_mistyped_config_key_is_one_plain_line_with_the_suggestion(tmp_path):
       "instead of \"total_step\"?"], proc.stderr
 
 
-def test_generate_on_a_training_workdir_points_to_export(tmp_path):
+@pytest.mark.parametrize("command,flag", [
+    (["-m", "rlver_jax.generate", "--prompt=hi"], "--checkpoint"),
+    (["-m", "rlver_jax.evaluate", "--config=configs/eval_sentient.py:runlocal"], "--config.policy.checkpoint"),
+])
+def test_a_training_workdir_given_as_a_model_points_to_export(tmp_path, command, flag):
   workdir = tmp_path / "run"
   (workdir / "checkpoints" / "2").mkdir(parents=True)
   (workdir / "config.json").write_text('{"rl": {}, "policy": {}}')  # the run's config, not a model's
+  extra = [f"--workdir={tmp_path / 'eval'}"] if "rlver_jax.evaluate" in command else []
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-m", "rlver_jax.generate", f"--checkpoint={workdir}",
-                         "--prompt=hi"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  proc = subprocess.run([sys.executable, *command, f"{flag}={workdir}", *extra], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
   assert proc.returncode == 1
   assert proc.stderr.splitlines() == [
-      f"error: --checkpoint={workdir}: is a training workdir, not a Hugging Face checkpoint; export "
-      f"its policy first (python -m rlver_jax.export --workdir={workdir} --out=HF_DIR) and pass "
-      "--checkpoint=HF_DIR"], proc.stderr
+      f"error: {flag}={workdir}: is a training workdir, not a Hugging Face checkpoint; export its "
+      f"policy first (python -m rlver_jax.export --workdir={workdir} --out=HF_DIR) and pass "
+      f"{flag}=HF_DIR"], proc.stderr
 
 
 def test_zero_total_steps_is_a_config_error(tmp_path):

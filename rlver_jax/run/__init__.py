@@ -1,6 +1,7 @@
 """A run's files and their rules: the workdir (`workdir`), the saved config checked on resume
 (`saved_config`), provenance (`provenance`: prompt texts, code version, profiles), metrics and
-TensorBoard (`metrics`) and optional W&B (`wandb_writer`), orbax checkpoints with damaged-step fallback (`checkpoint`), the trained
+TensorBoard (`metrics`) and optional W&B (`wandb_writer`), orbax checkpoints with damaged-step fallback (`checkpoint`) and their per-array checksums
+(`checkpoint_integrity`), the trained
 policy read back from a workdir (`trained_policy`), and the persistent compilation cache
 (`compile_cache`).
 

@@ -98,7 +98,9 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.simulator.weight_dtype = "bf16"
   c.simulator.kv_dtype = "bf16"
   c.simulator.style = args.get("simulator", "vanilla")
-  c.simulator.max_context = 16384
+  # KV slots per dialogue. The 'reference' flow keeps a clean transcript (profile, every visible
+  # line) plus one step's request and answer; 'chat' keeps every analysis and plan too (~16384).
+  c.simulator.max_context = 8192
   # Simulator appends are a policy reply plus an instruction, ~150-700 tokens: finer buckets there.
   c.simulator.append_buckets = (64, 128, 256, 512, 1024)
   c.simulator.decode_segment = 128   # as policy.decode_segment / window_step
@@ -131,10 +133,12 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   # 'train' (config.mesh) or 'DATAxFSDPxTENSOR' such as '4x1x8'.
   c.simulator.mesh = "auto"
   c.simulator.score_guidance = False  # no "+3 to +10 for a good reply" scale (the reference has none)
-  # What the simulator's steps see of each other: "chat" = one growing chat (every later step sees
-  # the earlier analyses and plans); "reference" = the reference's: the emotion step sees a clean
-  # transcript, the reply step only the fit/feeling notes and the state label (rlver_jax/env/info_flow.py).
-  c.simulator.info_flow = "chat"
+  # What the simulator's steps see of each other: "reference" = the paper's: the emotion step sees a
+  # clean transcript, the reply step only the fit/feeling notes and the state label, each step's
+  # private answer rewound out of the cache once read (rlver_jax/env/info_flow.py); "chat" = one
+  # growing chat (every later step sees the earlier analyses and plans; this project's runs before
+  # 2026-12-07).
+  c.simulator.info_flow = "reference"
   # "sampled": the change the simulator wrote; "expected": the mean of its own distribution over
   # -10..+10 where it wrote the value (model backend only; emotions become floats; see
   # rlver_jax/env/expected_change.py). The held-out evaluation keeps "sampled" (the benchmark's rule).
@@ -308,7 +312,6 @@ REFERENCE_VALUES = {
     "policy.max_new_tokens": 5000,    # the reference's per-turn cap
     "policy.max_context": 16384,      # room for a 5,000-token turn after a long history
     "simulator.clamp_change": False,  # its training path reads the change unclamped
-    "simulator.info_flow": "reference",  # a clean transcript; the reply step sees no analysis number
     "data.num_holdout": 0,            # it trains on all 500 profiles ...
     "eval.every_steps": 0,            # ... and evaluates on the Sentient set afterwards
     "optim.warmup_unit": "steps",     # its scheduler steps once per RL step ...

@@ -143,7 +143,7 @@ class SimulatorSpec:
   weight_dtype: str = "bf16"     # "int8": linear weights quantized at load
   kv_dtype: str = "bf16"         # "int8": KV cache in int8 with a scale per token and KV head
   style: str = "vanilla"
-  max_context: int = 16384
+  max_context: int = 8192
   append_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024)
   decode_segment: int = 0
   window_step: int = 0
@@ -156,7 +156,7 @@ class SimulatorSpec:
   end_below: int = 1
   clamp_change: bool = True
   score_guidance: bool = False
-  info_flow: str = "chat"
+  info_flow: str = "reference"
   change_mode: str = "sampled"
   max_parse_retries: int = 2
   http_base_url: str = ""

@@ -162,7 +162,7 @@ def test_trainer_and_holdout_pass_their_rules(monkeypatch):
     holdout_module.evaluate_holdout(trainer, jax.random.key(0))
   kw = holdout.value.args[0]
   assert (kw["max_turns"], kw["end_below"], kw["start_emotion"]) == (9, 10, 40)
-  assert kw["info_flow"] == "sage"  # eval.info_flow, not training's simulator.info_flow ('chat')
+  assert kw["info_flow"] == "sage"  # eval.info_flow, not training's simulator.info_flow
   c.unlock()
   c.rl.shared_opening = False
   c.simulator.clamp_change, c.simulator.change_mode, c.simulator.style = False, "expected", "challenging"

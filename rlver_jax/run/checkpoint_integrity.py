@@ -44,15 +44,22 @@ def _words(x: jax.Array) -> jax.Array:
 def _fingerprint(x: jax.Array) -> jax.Array:
   """uint32[3]: the two sums and whether every value is finite (1) or not (0)."""
   w = _words(x)
-  # The flat index from per-axis iotas: no reshape, which would regather a sharded array.
-  index = jnp.zeros(w.shape, jnp.uint32)
+  w = w[None] if w.ndim == 0 else w
+  # Flat index i = r * C + c over rows r (the leading axes) and columns c (the last one): the sum of
+  # b (2i + 1) is the sum of b (2c + 1) plus 2C r times each row's sum. Only the column weight
+  # touches every word, and nothing is reshaped, which would regather a sharded array.
+  columns = w.shape[-1]
+  column_weight = lax.broadcasted_iota(jnp.uint32, w.shape, w.ndim - 1) * 2 + 1
+  row_sums = jnp.sum(w, axis=-1, dtype=jnp.uint32)
+  row_weighted = jnp.sum(w * column_weight, axis=-1, dtype=jnp.uint32)
+  row = jnp.zeros(row_sums.shape, jnp.uint32)
   stride = 1
-  for axis in reversed(range(w.ndim)):
-    index = index + lax.broadcasted_iota(jnp.uint32, w.shape, axis) * jnp.uint32(stride % 2**32)
-    stride *= w.shape[axis]
+  for axis in reversed(range(row_sums.ndim)):
+    row = row + lax.broadcasted_iota(jnp.uint32, row_sums.shape, axis) * jnp.uint32(stride % 2**32)
+    stride *= row_sums.shape[axis]
+  weighted = row_weighted + row_sums * row * jnp.uint32(2 * columns % 2**32)
   finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else True
-  return jnp.stack([jnp.sum(w, dtype=jnp.uint32),
-                    jnp.sum(w * (index * 2 + 1), dtype=jnp.uint32),
+  return jnp.stack([jnp.sum(row_sums, dtype=jnp.uint32), jnp.sum(weighted, dtype=jnp.uint32),
                     jnp.asarray(finite, jnp.uint32)])
 
 

@@ -105,6 +105,16 @@ def test_checksums_do_not_depend_on_the_sharding():
   assert checkpoint_integrity.checksums({"w": spread}) == checkpoint_integrity.checksums({"w": x})
 
 
+@pytest.mark.parametrize("shape", [(), (7,), (3, 5), (2, 3, 4), (4, 1, 6, 2)])
+def test_the_fingerprint_is_the_documented_sums_over_the_flat_index(shape):
+  """(sum b_i, sum b_i (2i + 1)) mod 2^32 over the words b in C order, whatever the rank."""
+  a = np.random.default_rng(len(shape)).normal(size=shape).astype(np.float32)
+  b = a.view(np.uint32).astype(np.uint64).ravel()
+  i = np.arange(b.size, dtype=np.uint64)
+  want = [int(b.sum() % 2**32), int((b * (2 * i + 1)).sum() % 2**32)]
+  assert checkpoint_integrity.checksums({"a": jnp.asarray(a)})["a"] == want
+
+
 def test_each_word_and_its_place_count():
   """One changed word changes the first sum; two words swapped, the weighted one."""
   x = np.arange(1, 65, dtype=np.float32).reshape(8, 8)

@@ -7,11 +7,13 @@ it is): token-aligned [M, B, T] arrays, index t describing token t (`logp[..., t
 tokens[<t])`; index 0 is never a policy token). `loss_mask` is 1 on tokens the policy sampled.
 Loss terms are reduced with weights computed once over the whole mini-batch, so accumulating
 gradients over micro-batches (a `lax.scan` inside the jit) gives exactly the gradient of the whole
-mini-batch.
+mini-batch. The step is a module-level function jitted once per (model structure, optimizer, loss,
+loss config), so every updater of one configuration runs one compiled program.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -55,9 +57,10 @@ class OptimConfig:
   grad_clip: float = 1.0
 
 
+@functools.lru_cache(maxsize=None)
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
   """Clip by global norm (grad_clip > 0; 0 = off), then AdamW with a linear warm-up to a constant
-  learning rate."""
+  learning rate. One object per config, so updaters of equal configs share their program."""
   schedule = optax.join_schedules(
       [optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1)),
        optax.constant_schedule(cfg.learning_rate)], [max(cfg.warmup_steps, 1)])
@@ -145,16 +148,78 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, params, mesh: M
                                transform_non_params=lambda _: whole)
 
 
+@functools.lru_cache(maxsize=None)
+def update_program(graphdef, optimizer: optax.GradientTransformation, loss: str, cfg: LossConfig):
+  """The jitted update step for a model structure, optimizer, loss and loss config:
+  (params, opt_state, rest, batch, lr_scale=None) -> (params, opt_state, metrics), params and
+  optimizer state donated. One program per distinct configuration, shared by every `Updater` that
+  has it (jit caches its compiled programs on the function object)."""
+  return jax.jit(functools.partial(_update_step, graphdef, optimizer, LOSSES[loss], cfg),
+                 donate_argnums=(0, 1))
+
+
+def _update_step(graphdef, optimizer, loss_fn, cfg: LossConfig, params, opt_state, rest,
+                 batch: UpdateBatch, lr_scale: jax.Array | None = None):
+  """One optimizer update on a mini-batch; `lr_scale` is a scalar, not scanned over micro-batches
+  like `batch`."""
+  def loss_of(p, mb):
+    return loss_fn(nnx.merge(graphdef, p, rest), mb, cfg)
+
+  grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+
+  def accumulate(grads, mb):
+    (loss, metrics), g = grad_fn(params, mb)
+    return jax.tree.map(jnp.add, grads, g), dict(metrics, loss=loss)
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, _F32), params)
+  grads, per_mb = jax.lax.scan(accumulate, zeros, batch)
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  if lr_scale is not None:  # AdamW's update is linear in the learning rate
+    updates = jax.tree.map(lambda u: (u * lr_scale).astype(u.dtype), updates)
+  params = optax.apply_updates(params, updates)
+  return params, opt_state, _step_metrics(per_mb, batch, grads, value=loss_fn is _value_loss)
+
+
+def _step_metrics(per_mb: dict, batch: UpdateBatch, grads, value: bool) -> dict[str, jax.Array]:
+  """The update's metrics from the per-micro-batch ones. Loss terms are already weighted over the
+  whole mini-batch: summed. The others are per-token means of each micro-batch: weighted by its
+  token count, so a short or all-padding micro-batch does not count as much as a full one."""
+  summed = {"loss", "pg_loss", "entropy", "kl_loss", "vf_loss"}
+  counts = (batch.trained_mask("value" if value else "policy") > 0).sum(axis=(1, 2)).astype(_F32)
+  per_token = lambda v: (v * counts).sum() / jnp.maximum(counts.sum(), 1.0)
+  metrics = {k: (v.sum() if k in summed else per_token(v)) for k, v in per_mb.items()}
+  if "ratio_max" in metrics:
+    has, any_tok = counts > 0, counts.sum() > 0
+    metrics["ratio_max"] = jnp.where(any_tok, jnp.where(has, per_mb["ratio_max"], -jnp.inf).max(), 1.0)
+    metrics["ratio_min"] = jnp.where(any_tok, jnp.where(has, per_mb["ratio_min"], jnp.inf).min(), 1.0)
+  metrics["grad_norm"] = optax.tree.norm(grads)
+  return metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+  """An `update_program` with the model's non-parameter state bound: called as the trainer calls
+  it, lowered as the ahead-of-time planner lowers it."""
+  program: Any
+  rest: Any
+
+  def __call__(self, params, opt_state, batch: UpdateBatch, lr_scale=None):
+    return self.program(params, opt_state, self.rest, batch, lr_scale)
+
+  def lower(self, params, opt_state, batch: UpdateBatch, lr_scale=None):
+    return self.program.lower(params, opt_state, self.rest, batch, lr_scale)
+
+
 class Updater:
-  """Owns one jitted, donated update step for a model (policy or critic) and its optimizer."""
+  """A model's (policy or critic) update: its optimizer and the shared, donated `update_program`."""
 
   def __init__(self, model: Qwen2, optimizer: optax.GradientTransformation, loss: str, cfg: LossConfig):
     self.graphdef, _, self.rest = nnx.split(model, nnx.Param, ...)
     self.optimizer = optimizer
     self.loss = loss
-    self.loss_fn = LOSSES[loss]
     self.cfg = cfg
-    self._step = jax.jit(self._step_impl, donate_argnums=(0, 1))
+    self._step = _Step(update_program(self.graphdef, optimizer, loss, cfg), self.rest)
 
   def init(self, params: nnx.State) -> Any:
     """The optimizer state, its moments sharded like the params (jit alone would replicate them:
@@ -166,10 +231,11 @@ class Updater:
     return jax.jit(self.optimizer.init, out_shardings=shardings)(params)
 
   def step(self, params: nnx.State, opt_state, batch: UpdateBatch, lr_scale: float | None = None):
-    """One optimizer update on a mini-batch ([M, B, T] arrays); returns (params, opt_state, metrics).
-    `lr_scale` multiplies this update (a warm-up the caller counts in its own unit, e.g. RL steps;
-    traced, no recompile). None is 1.0 in the same program: XLA compiles a program with the multiply
-    and one without differently upstream too (reduction orders), so they would not agree bit for bit."""
+    """One optimizer update on a mini-batch ([M, B, T] arrays); returns (params, opt_state, metrics),
+    the metrics still on device. `lr_scale` multiplies this update (a warm-up the caller counts in
+    its own unit, e.g. RL steps; traced, no recompile). None is 1.0 in the same program: XLA
+    compiles a program with the multiply and one without differently upstream too (reduction
+    orders), so they would not agree bit for bit."""
     scale = jnp.asarray(1.0 if lr_scale is None else lr_scale, _F32)
     return self._step(params, opt_state, self.weighted(batch), scale)
 
@@ -179,35 +245,3 @@ class Updater:
     weights = losses.token_weights(mask.reshape(-1, mask.shape[-1]), self.cfg.agg,
                                    norm_len=self.cfg.norm_len, chunks=self.cfg.chunks)
     return dataclasses.replace(batch, weights=weights.reshape(mask.shape))
-
-  def _step_impl(self, params, opt_state, batch: UpdateBatch, lr_scale: jax.Array | None = None):
-    """The jitted step; `lr_scale` is a scalar, not scanned over micro-batches like `batch`."""
-    def loss_of(p, mb):
-      return self.loss_fn(nnx.merge(self.graphdef, p, self.rest), mb, self.cfg)
-
-    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-
-    def accumulate(grads, mb):
-      (loss, metrics), g = grad_fn(params, mb)
-      return jax.tree.map(jnp.add, grads, g), dict(metrics, loss=loss)
-
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, _F32), params)
-    grads, per_mb = jax.lax.scan(accumulate, zeros, batch)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    updates, opt_state = self.optimizer.update(grads, opt_state, params)
-    if lr_scale is not None:  # AdamW's update is linear in the learning rate
-      updates = jax.tree.map(lambda u: (u * lr_scale).astype(u.dtype), updates)
-    params = optax.apply_updates(params, updates)
-    # Loss terms are already weighted over the whole mini-batch: sum them. The other metrics are
-    # per-token means of each micro-batch: weight them by its token count, so a short or all-padding
-    # micro-batch does not count as much as a full one.
-    summed = {"loss", "pg_loss", "entropy", "kl_loss", "vf_loss"}
-    counts = (batch.trained_mask(self.loss) > 0).sum(axis=(1, 2)).astype(_F32)
-    per_token = lambda v: (v * counts).sum() / jnp.maximum(counts.sum(), 1.0)
-    metrics = {k: (v.sum() if k in summed else per_token(v)) for k, v in per_mb.items()}
-    if "ratio_max" in metrics:
-      has, any_tok = counts > 0, counts.sum() > 0
-      metrics["ratio_max"] = jnp.where(any_tok, jnp.where(has, per_mb["ratio_max"], -jnp.inf).max(), 1.0)
-      metrics["ratio_min"] = jnp.where(any_tok, jnp.where(has, per_mb["ratio_min"], jnp.inf).min(), 1.0)
-    metrics["grad_norm"] = optax.tree.norm(grads)
-    return params, opt_state, metrics

@@ -208,19 +208,26 @@ class Trainer:
     return p.rewards, ref_logp, metrics
 
   def update(self, batch: UpdateBatch) -> dict[str, float]:
-    """One optimizer update per mini-batch and epoch (`batch.mini_batches`, from make_batch)."""
-    epochs = self.spec.rl.epochs
+    """One optimizer update per mini-batch and epoch (`batch.mini_batches`, from make_batch); the
+    metrics of every update are fetched once, after the last is dispatched."""
     M = batch.mini_batches
-    metrics: dict[str, list] = {}
-    # Policy tokens per mini-batch: the per-token metrics are averaged with these weights.
-    tokens = (host_array(batch.loss_mask) > 0).sum(axis=(1, 2))
-    # A mini-batch of padding only (fewer samples than micro-batches x mini_batches) is skipped: its
-    # gradient is zero, but an AdamW step would still move the weights (momentum, weight decay) and
-    # advance the warm-up. (A step without any policy token keeps one, so its metrics exist.)
+    # Policy tokens per micro-batch, fetched before the loop: they pick the mini-batches to run and
+    # weigh the per-token metrics. A mini-batch of padding only (fewer samples than micro-batches x
+    # mini_batches) is skipped: its gradient is zero, but an AdamW step would still move the weights
+    # (momentum, weight decay) and advance the warm-up. (A step without any policy token keeps one,
+    # so its metrics exist.)
+    tokens = host_array(jnp.sum(batch.loss_mask > 0, axis=(1, 2)))
     parts = [part for part in range(M) if tokens[part::M].sum() > 0] or [0]
-    weights = [float(tokens[part::M].sum()) for part in parts] * epochs
+    per_update = jax.device_get(self.dispatch_updates(batch, parts))
+    weights = [float(tokens[part::M].sum()) for part in parts] * self.spec.rl.epochs
+    return update_metrics(per_update, weights)
+
+  def dispatch_updates(self, batch: UpdateBatch, parts: list[int]) -> list[dict[str, jax.Array]]:
+    """Runs the optimizer updates of mini-batches `parts` for every epoch, without waiting for any:
+    the metrics of each update, still on device."""
     scale, critic_scale = self._step_warmup(), self._step_warmup(critic=True)
-    for _ in range(epochs):
+    out = []
+    for _ in range(self.spec.rl.epochs):
       for part in parts:
         mini = batch.mini_batch(part)
         self.state["policy"], self.state["policy_opt"], m = self.policy_up.step(
@@ -229,18 +236,7 @@ class Trainer:
           self.state["critic"], self.state["critic_opt"], mv = self.critic_up.step(
               self.state["critic"], self.state["critic_opt"], mini, lr_scale=critic_scale)
           m = {**m, **{f"critic/{k}": v for k, v in mv.items()}}
-        for k, v in m.items():
-          metrics.setdefault(k, []).append(float(v))
-    w = np.asarray(weights) if sum(weights) > 0 else np.ones(len(weights))
-    out = {}
-    for k, v in metrics.items():
-      if k.endswith("ratio_max") or k.endswith("ratio_min"):
-        out[k] = float(np.max(v) if k.endswith("max") else np.min(v))
-      elif k.endswith("grad_norm"):  # one value per optimizer update, whatever its size
-        out[k] = float(np.mean(v))
-      else:
-        out[k] = float(np.average(v, weights=w))
-    out["optimizer_updates"] = float(len(parts) * epochs)
+        out.append(m)
     return out
 
   def _step_warmup(self, critic: bool = False) -> float | None:
@@ -376,3 +372,19 @@ def reseed_simulator(backend, rng) -> None:
 class TooManySimulatorErrors(SimulatorBackendError):
   """More than simulator.max_failed_share of a step's dialogues lost their simulator."""
 
+
+def update_metrics(per_update: list[dict], weights: list[float]) -> dict[str, float]:
+  """A step's update metrics from each optimizer update's (host values): per-token means weighted by
+  the update's policy tokens, ratio extremes over all, grad norms averaged per update."""
+  w = np.asarray(weights) if sum(weights) > 0 else np.ones(len(weights))
+  out = {}
+  for k in per_update[0]:
+    v = [float(m[k]) for m in per_update]
+    if k.endswith("ratio_max") or k.endswith("ratio_min"):
+      out[k] = float(np.max(v) if k.endswith("max") else np.min(v))
+    elif k.endswith("grad_norm"):  # one value per optimizer update, whatever its size
+      out[k] = float(np.mean(v))
+    else:
+      out[k] = float(np.average(v, weights=w))
+  out["optimizer_updates"] = float(len(per_update))
+  return out

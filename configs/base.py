@@ -224,7 +224,6 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   # [1/is_cap, is_cap]). mismatch/* metrics are logged every step, the drop shares at is_cap.
   c.rl.is_correction = "none"
   c.rl.is_cap = 2.0
-  c.rl.tis_cap = 0.0                 # older spelling: c > 0 = is_correction "token_tis", is_cap c
   c.rl.logits_chunk = 1024
 
   c.rollout = ml_collections.ConfigDict()

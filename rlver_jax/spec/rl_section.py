@@ -44,7 +44,6 @@ class RLSpec:
   kl_coef: float = 0.0
   kl_kind: str = "k3"
   kl_in_reward: bool = False
-  tis_cap: float = 0.0
   policy_loss: str = "ppo"
   is_correction: str = "none"
   is_cap: float = 2.0
@@ -66,7 +65,6 @@ class RLSpec:
     require("rl.kl_kind", self.kl_kind, self.kl_kind in KL_KINDS, f"one of {KL_KINDS}")
     require("rl.dual_clip", self.dual_clip, self.dual_clip == 0 or self.dual_clip > 1,
             "0 (off) or > 1")
-    require("rl.tis_cap", self.tis_cap, self.tis_cap >= 0, ">= 0 (0 = off)")
     require("rl.reward_mode", self.reward_mode, self.reward_mode in REWARD_MODES,
             f"one of {REWARD_MODES}")
     require("rl.gamma", self.gamma, 0 <= self.gamma <= 1, "in [0, 1]")
@@ -95,9 +93,7 @@ class RLSpec:
 
   @property
   def correction(self) -> tuple[str, float]:
-    """(rollout correction, its cap): rl.tis_cap = c > 0, the older spelling, is token_tis at c."""
-    if self.tis_cap > 0:
-      return "token_tis", self.tis_cap
+    """(rollout correction, its cap)."""
     return self.is_correction, self.is_cap
 
   @property
@@ -114,7 +110,7 @@ class RLSpec:
 
 
 def _check_policy_loss(rl: RLSpec) -> None:
-  """rl.policy_loss, rl.is_correction / rl.is_cap and the old rl.tis_cap beside them."""
+  """rl.policy_loss, rl.is_correction and rl.is_cap."""
   require("rl.policy_loss", rl.policy_loss, rl.policy_loss in POLICY_LOSSES,
           f"one of {POLICY_LOSSES}")
   require("rl.dual_clip", rl.dual_clip, rl.dual_clip == 0 or rl.policy_loss != "cispo",
@@ -122,6 +118,3 @@ def _check_policy_loss(rl: RLSpec) -> None:
   require("rl.is_correction", rl.is_correction, rl.is_correction in IS_CORRECTIONS,
           f"one of {IS_CORRECTIONS}")
   require("rl.is_cap", rl.is_cap, rl.is_cap > 1, "> 1 (masks keep ratios in [1/is_cap, is_cap])")
-  require("rl.tis_cap", rl.tis_cap, rl.tis_cap == 0 or rl.is_correction == "none",
-          f"0 when rl.is_correction is set ({rl.is_correction!r}): rl.tis_cap=c is the older spelling "
-          "of rl.is_correction='token_tis' with rl.is_cap=c")

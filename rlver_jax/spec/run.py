@@ -37,10 +37,20 @@ def _plain(config: ml_collections.ConfigDict | Mapping) -> dict:
   return copy.deepcopy(dict(config))
 
 
+# Keys of earlier versions that were renamed: config key -> (the value that meant "off", the keys
+# that say the same now). A saved config holding the "off" value still loads.
+RENAMED = {"rl.tis_cap": (0.0, "config.rl.is_correction='token_tis' with config.rl.is_cap=C")}
+
+
 def _section(cls, tree: dict, key: str, strict: bool):
   """cls from tree[key]: a missing key takes the field's default; a key without a field is a
-  ConfigError unless `strict` is False (a saved config of another version)."""
+  ConfigError unless `strict` is False (a saved config of another version); a renamed key set to
+  anything but its "off" value is a ConfigError naming the keys that replace it."""
   values = dict(tree.get(key) or {})
+  for name in [n for n in values if f"{key}.{n}" in RENAMED]:
+    off, instead = RENAMED[f"{key}.{name}"]
+    if values.pop(name) != off:
+      raise ConfigError(f"config.{key}.{name} was removed: use {instead}")
   names = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(values) - names)
   if unknown and strict:
@@ -156,8 +166,7 @@ class RunSpec:
       raise ConfigError(f"config.policy sampling (temperature={p.temperature}, top_p={p.top_p}, "
                         f"top_k={p.top_k}) differs from the distribution being trained: use 1.0 / "
                         "1.0 / 0, or set config.rl.is_correction (e.g. 'token_tis' with "
-                        "config.rl.is_cap=2.0; config.rl.tis_cap=2.0 is the older spelling) to "
-                        "correct for it")
+                        "config.rl.is_cap=2.0) to correct for it")
     if self.evaluating:
       n = self.data.num_holdout
       require("data.num_holdout", n, n >= 1,

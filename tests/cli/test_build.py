@@ -128,16 +128,15 @@ def test_ppo_takes_per_turn_rewards_and_kl_in_reward():
 @pytest.mark.parametrize("key,value", [("temperature", 0.7), ("top_p", 0.9), ("top_k", 20)])
 def test_reshaped_policy_sampling_needs_importance_correction(key, value):
   # Ratios are taken against the model's T=1 log-probs, so tempered / truncated samples are
-  # off-policy; a rollout correction (rl.is_correction, formerly rl.tis_cap) is what makes them usable.
+  # off-policy; a rollout correction (rl.is_correction) is what makes them usable.
   for algo in ("grpo_think", "ppo_nothink"):
     config = _config(algo, None)
     config.policy[key] = value
-    with pytest.raises(build.ConfigError, match=r"config\.policy sampling .*config\.rl\.is_correction"
-                                                r".*config\.rl\.tis_cap"):
+    with pytest.raises(build.ConfigError, match=r"config\.policy sampling .*config\.rl\.is_correction"):
       _spec(config)
-    config.rl.tis_cap = 2.0  # the older spelling still works
+    config.rl.is_correction = "token_tis"
     _spec(config)
-    config.rl.tis_cap, config.rl.is_correction = 0.0, "geo_mask"  # as does any correction
+    config.rl.is_correction = "geo_mask"  # as does any correction
     _spec(config)
 
 

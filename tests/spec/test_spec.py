@@ -182,18 +182,19 @@ def test_derived_settings():
 def test_policy_loss_and_rollout_correction_settings():
   rl = spec_lib.RLSpec
   assert rl().correction == ("none", 2.0)
-  # rl.tis_cap=c, the older spelling, is token_tis at c: the same loss config, so the same update.
-  old = RunSpec.from_config(_config("base"))
-  old = dataclasses.replace(old, rl=rl(tis_cap=1.5))
-  new = dataclasses.replace(old, rl=rl(is_correction="token_tis", is_cap=1.5))
-  assert old.loss_config() == new.loss_config()
+  new = dataclasses.replace(RunSpec.from_config(_config("base")),
+                            rl=rl(is_correction="token_tis", is_cap=1.5))
   assert (new.loss_config().is_correction, new.loss_config().is_cap) == ("token_tis", 1.5)
-  with pytest.raises(ConfigError, match=r"config\.rl\.tis_cap=1\.5: must be 0 when rl\.is_correction"):
-    rl(tis_cap=1.5, is_correction="seq_tis")
+  # rl.tis_cap (the older spelling of token_tis) is gone: a config that sets it is told the new keys;
+  # a saved config of an earlier version, where it was off (0), still loads.
+  with pytest.raises(ConfigError, match=r"^config\.rl\.tis_cap was removed: use config\.rl\."
+                                        r"is_correction='token_tis' with config\.rl\.is_cap=C$"):
+    RunSpec.from_config({"rl": {"tis_cap": 1.5}})
+  assert RunSpec.from_config({"rl": {"tis_cap": 0.0}}).rl.correction == ("none", 2.0)
   with pytest.raises(ConfigError, match=r"config\.rl\.dual_clip=3\.0: must be 0 with rl\.policy_loss='cispo'"):
     rl(policy_loss="cispo", dual_clip=3.0)
   rl(policy_loss="gspo", dual_clip=3.0)  # the clipped surrogate on the sequence ratio: allowed
-  assert dataclasses.replace(old, rl=rl(policy_loss="cispo")).loss_config().policy_loss == "cispo"
+  assert dataclasses.replace(new, rl=rl(policy_loss="cispo")).loss_config().policy_loss == "cispo"
 
 
 def test_the_run_entry_points_take_the_spec_not_the_config_dict(tmp_path):

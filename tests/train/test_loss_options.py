@@ -113,7 +113,8 @@ def _rows(workdir):
     {},
     {"policy.temperature": 0.7, "rl.policy_loss": "gspo", "rl.loss_agg": "seq-mean-token-mean",
      "rl.is_correction": "geo_mask", "rl.is_cap": 1.5},
-    {"policy.temperature": 0.7, "rl.policy_loss": "cispo", "rl.tis_cap": 2.0}])
+    {"policy.temperature": 0.7, "rl.policy_loss": "cispo", "rl.is_correction": "token_tis",
+     "rl.is_cap": 2.0}])
 def test_every_run_logs_the_mismatch(world, tmp_path, extra):
   config = tiny_world.training_config(world, "grpo", total_steps=2, **extra)
   train.run(RunSpec.from_config(config), str(tmp_path))

@@ -111,7 +111,8 @@ def test_ppo_kl_in_reward_subtracts_each_tokens_penalty_from_its_reward(world, t
 
 def test_truncated_importance_weights_use_the_samplers_log_probs(world, tmp_path):
   cap = 1.05  # low enough that some tokens are capped
-  config = _config(world, "grpo", total_steps=1, **{"policy.temperature": 0.7, "rl.tis_cap": cap})
+  config = _config(world, "grpo", total_steps=1, **{"policy.temperature": 0.7,
+                                                      "rl.is_correction": "token_tis", "rl.is_cap": cap})
   trainer = tiny_world.trainer(config, str(tmp_path))
   _, batch, _ = _batch(trainer, 0)
   mask = _np(batch.loss_mask) > 0

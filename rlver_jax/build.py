@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 
 import jax
@@ -23,14 +22,14 @@ from rlver_jax.env.profiles import DEMO_PROFILE_SETS, Profile, load_profiles
 from rlver_jax.models import load_pretrained
 from rlver_jax.models.io import hub
 from rlver_jax.models.presets import Qwen2Config, from_hf_config, param_dtype_of
-from rlver_jax.models.qwen2 import param_specs
 from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
 from rlver_jax.parallel.sharding import MeshConfig, make_mesh
 from rlver_jax.sampling.sampler import Sampler
 from rlver_jax.sampling.strategies import SamplingParams
 from rlver_jax.spec import (ConfigError, CriticSpec, EvaluationSpec, PolicySpec, RunSpec,
                             SimulatorSpec)
-from rlver_jax.spec.layouts import describe, resolve_layout
+from rlver_jax.spec import layouts
+from rlver_jax.spec.layouts import describe
 
 # ConfigError is imported from the spec for the callers that raise or catch build.ConfigError.
 
@@ -56,22 +55,21 @@ def train_layout(train: MeshConfig, mesh: jax.sharding.Mesh) -> str:
 
 
 def decode_mesh(value: str, key: str, model: Qwen2Config, train: MeshConfig,
-                train_mesh: jax.sharding.Mesh | None, dtype, role: str
-                ) -> tuple[jax.sharding.Mesh | None, str]:
+                train_mesh: jax.sharding.Mesh | None, dtype, role: str, *,
+                int8_weights: bool = False) -> tuple[jax.sharding.Mesh | None, str]:
   """(mesh, description) of the layout a decoding model gets from its setting `value` at config
-  `key` (`spec/layouts.py`), over the training mesh's devices; the training mesh itself when the
-  sizes are equal (no reshard then). Logs one line naming it (at --verbosity=1; the trainer
-  writes every layout to provenance.json). Without a training mesh (one device,
-  no mesh) there is nothing to lay out."""
+  `key`, over the training mesh's devices: `spec.layouts.decode_mesh`, the resolver the AOT model
+  calls too (weights counted as stored in `dtype`, int8 with their scales). Logs one line naming
+  it (at --verbosity=1; the trainer writes every layout to provenance.json). Without a training
+  mesh (one device, no mesh) there is nothing to lay out."""
   if train_mesh is None:
     return None, "no mesh"
-  weights = sum(math.prod(p.shape) for p in param_specs(model).values()) * jnp.dtype(dtype).itemsize
-  sizes = resolve_layout(value, key, model, train, train_mesh.size, weight_bytes=weights,
-                         hbm_bytes=_hbm_bytes())
-  same = (sizes.data, sizes.fsdp, sizes.tensor) == tuple(train_mesh.shape[a] for a in train_mesh.axis_names)
-  text = f"{describe(sizes)} ({value})"
+  weights = layouts.weight_bytes(model, dtype, int8_weights=int8_weights)
+  mesh = layouts.decode_mesh(value, key, model, train, train_mesh, weight_bytes=weights,
+                             hbm_bytes=_hbm_bytes())
+  text = f"{describe(layouts.mesh_sizes(mesh))} ({value})"
   logging.debug("%s layout: %s", role, text)
-  return (train_mesh if same else mesh_from(sizes)), text
+  return mesh, text
 
 
 def checkpoint_dir(path: str) -> str:
@@ -184,9 +182,8 @@ def simulator_mesh(sim: SimulatorSpec, train: MeshConfig, train_mesh) -> tuple[o
   if sim.backend != "model":
     return None, "no model"
   # Its layout's memory check counts the weights as stored: int8 weights take a byte each.
-  stored = jnp.int8 if sim.weight_dtype == "int8" else param_dtype_of(sim.dtype)
-  return decode_mesh(sim.mesh, "simulator.mesh", simulator_config(sim), train, train_mesh, stored,
-                     "simulator")
+  return decode_mesh(sim.mesh, "simulator.mesh", simulator_config(sim), train, train_mesh,
+                     param_dtype_of(sim.dtype), "simulator", int8_weights=sim.weight_dtype == "int8")
 
 
 def simulator_backend(sim: SimulatorSpec, mesh, *, seed: int, share_prefix: bool = True,

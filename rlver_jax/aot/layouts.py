@@ -10,17 +10,15 @@ training params themselves (the behaviour before layouts: no copy, no reshard).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 import jax
-import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 
 from rlver_jax.aot import programs as ap
 from rlver_jax.aot.target import ModelShape, Target
-from rlver_jax.parallel.sharding import MESH_AXES, MeshConfig, make_mesh
+from rlver_jax.models.presets import param_dtype_of
+from rlver_jax.parallel.sharding import MeshConfig, make_mesh
 from rlver_jax.spec import RunSpec
 from rlver_jax.spec import layouts as spec_layouts
 
@@ -61,16 +59,16 @@ def single(mesh: Mesh) -> Layouts:
 
 
 def weight_bytes(model: ModelShape) -> int:
-  """Bytes of a model's whole weights (every shard together), as `aot.programs` describes it."""
-  _, state = nnx.split(ap._module(model))
-  return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
+  """Bytes of a decoding model's weights as stored, every shard together (`spec.layouts`)."""
+  return spec_layouts.weight_bytes(ap.model_config(model), param_dtype_of(model.param_dtype),
+                                   int8_weights=model.weight_dtype == "int8")
 
 
 def resolve(spec: RunSpec, devices: Sequence[jax.Device], train: MeshConfig,
             hbm_bytes: int | None) -> Layouts:
-  """The run's layouts on `devices` with training mesh `train`; ValueError (naming the key) for a
-  decode layout that does not divide the devices or the model's heads."""
-  n = len(devices)
+  """The run's layouts on `devices` with training mesh `train`: each decoding model's mesh from
+  `spec.layouts.decode_mesh`, as the trainer resolves it (`build.decode_mesh`); ValueError
+  (naming the key) for a decode layout that does not divide the devices or the model's heads."""
   train_mesh = make_mesh(train, devices)
   meshes = {}
   for role, key, value, model in (
@@ -79,11 +77,8 @@ def resolve(spec: RunSpec, devices: Sequence[jax.Device], train: MeshConfig,
     if value == spec_layouts.TRAIN:
       meshes[role] = train_mesh
       continue
-    sizes = spec_layouts.resolve_layout(value, key, ap.model_config(model), train, n,
-                                        weight_bytes=weight_bytes(model), hbm_bytes=hbm_bytes)
-    # The training mesh's device order, reshaped: one jit (the reshard) refuses shardings whose
-    # meshes order the same devices differently (mesh_utils orders each shape its own way).
-    meshes[role] = Mesh(np.asarray(train_mesh.devices).reshape(sizes.resolve(n)), MESH_AXES)
+    meshes[role] = spec_layouts.decode_mesh(value, key, ap.model_config(model), train, train_mesh,
+                                            weight_bytes=weight_bytes(model), hbm_bytes=hbm_bytes)
   return Layouts(train_mesh, meshes["policy"], meshes["simulator"],
                  policy_copy=spec.rollout.policy_mesh != spec_layouts.TRAIN)
 

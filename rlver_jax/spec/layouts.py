@@ -12,13 +12,21 @@ of each decoding model:
 
 A serving layout whose tensor size does not divide the model's head counts is refused (the rules would
 otherwise replicate those weights on every chip without a word).
+
+`decode_mesh` is the one resolver the trainer (`build.decode_mesh`) and the step-time and memory
+model (`aot.layouts.resolve`) both call: the same weight bytes (`weight_bytes`), the same sizes, the
+same device order.
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
 from rlver_jax.models.presets import Qwen2Config
-from rlver_jax.parallel.sharding import MeshConfig
+from rlver_jax.parallel.sharding import MESH_AXES, MeshConfig
 from rlver_jax.spec.sections import ConfigError, check_layout
 
 TRAIN, AUTO = "train", "auto"
@@ -87,3 +95,30 @@ def resolve_layout(value: str, key: str, model: Qwen2Config, train: MeshConfig, 
 def describe(mesh: MeshConfig) -> str:
   """'data=4 fsdp=1 tensor=8' for logs and the saved config."""
   return f"data={mesh.data} fsdp={mesh.fsdp} tensor={mesh.tensor}"
+
+
+def weight_bytes(model: Qwen2Config, dtype, *, int8_weights: bool = False) -> int:
+  """Bytes of a decoding model's weights as it stores them, every shard together (int8 weights
+  with their scales): what 'auto' weighs against the chip's memory."""
+  from rlver_jax.models.factory import abstract_model  # pylint: disable=import-outside-toplevel
+  _, state = nnx.split(abstract_model(model, param_dtype=dtype, dtype=dtype,
+                                      int8_weights=int8_weights))
+  return sum(math.prod(x.shape) * x.dtype.itemsize for x in nnx.to_flat_state(state).leaves)
+
+
+def decode_mesh(value: str, key: str, model: Qwen2Config, train: MeshConfig, train_mesh: Mesh, *,
+                weight_bytes: int | None = None, hbm_bytes: int | None = None) -> Mesh:
+  """The mesh a decoding model gets from its setting `value` at config `key`: `resolve_layout`'s
+  sizes over the training mesh's devices in the training mesh's order (the training mesh itself
+  when the sizes are equal). One order for both: a jit between the two meshes (the reshard of the
+  policy's decode copy) refuses meshes that order the same devices differently."""
+  sizes = resolve_layout(value, key, model, train, train_mesh.size, weight_bytes=weight_bytes,
+                         hbm_bytes=hbm_bytes)
+  shape = (sizes.data, sizes.fsdp, sizes.tensor)
+  if shape == tuple(train_mesh.shape[a] for a in MESH_AXES):
+    return train_mesh
+  return Mesh(np.asarray(train_mesh.devices).reshape(shape), MESH_AXES)
+
+
+def mesh_sizes(mesh: Mesh) -> MeshConfig:
+  return MeshConfig(*(mesh.shape[a] for a in MESH_AXES))

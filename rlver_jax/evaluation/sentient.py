@@ -138,7 +138,11 @@ def check_workdir(workdir: str) -> None:
     saved = json.loads(path.read_text())
   except ValueError:
     saved = None
-  if not (isinstance(saved, dict) and "batch_size" in saved.get("eval", {}) and "rl" not in saved):
+  # `kind` says what wrote it; a config.json from before it was written is told by its sections.
+  kind = saved.get("kind") if isinstance(saved, dict) else None
+  older = (kind is None and isinstance(saved, dict) and "batch_size" in saved.get("eval", {})
+           and "rl" not in saved)
+  if kind != EvaluationSpec.KIND and not older:
     raise build.ConfigError(f"{path} belongs to another kind of run (a training workdir?); "
                             "evaluate into a separate --workdir")
 

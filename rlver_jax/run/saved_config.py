@@ -55,8 +55,10 @@ def check_workdir_config(config: dict, workdir: str) -> None:
   new = _flat(json.loads(config_json(config)))
   if path.exists():
     old = _flat(_read_config_json(path))
+    # `kind` is new in config.json: a workdir written before it records none.
     changed = sorted(k for k in set(old) | set(new)
-                     if old.get(k) != new.get(k) and not k.startswith(RUN_LENGTH_KEYS))
+                     if old.get(k) != new.get(k) and not k.startswith(RUN_LENGTH_KEYS)
+                     and not (k == "kind" and k not in old))
     if changed:
       k = changed[0]
       raise ConfigConflictError(

@@ -37,8 +37,13 @@ def load_run_config(workdir: str) -> RunSpec:
   if not storage.exists(path):
     raise ExportError(f"{path} is missing: {workdir} is not a training workdir")
   config = json.loads(storage.read_bytes(path))
-  if not isinstance(config, dict) or "rl" not in config or "policy" not in config:
+  # `kind` says what wrote it; a config.json from before it was written has rl and policy sections.
+  kind = config.get("kind") if isinstance(config, dict) else None
+  if kind is None and not (isinstance(config, dict) and "rl" in config and "policy" in config):
     raise ExportError(f"{path} is not a training run's config (no rl / policy sections)")
+  if kind not in (None, RunSpec.KIND):
+    raise ExportError(f"{path} is an {kind} config, not a training run's: {workdir} is not a "
+                      "training workdir")
   return RunSpec.from_config(config, strict=False)
 
 

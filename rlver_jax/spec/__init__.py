@@ -1,4 +1,8 @@
-"""The typed run spec: the one module that reads a run's ConfigDict.
+"""The typed run spec: every setting's one declaration and default, and the one reader of a config.
+
+Each section dataclass declares its keys with their defaults and what each means; `default_tree`
+turns a spec class into the plain tree a config file (configs/base.py, configs/eval_sentient.py)
+starts from, so a config file assigns only what differs (the paper's models, per algorithm and mode).
 
 `RunSpec.from_config` (training, configs/base.py) and `EvaluationSpec.from_config` (the Sentient
 evaluation, configs/eval_sentient.py) turn the ConfigDict into a tree of frozen dataclasses, one per
@@ -16,7 +20,7 @@ conversion; `layouts`: each decoding model's mesh (simulator.mesh, rollout.polic
 setting and the model's head counts. May import the lower folders' constants, checks and typed
 settings (env, rl, sampling, models, parallel); never build, train, evaluation or run.
 """
-from rlver_jax.spec.run import WORKDIR_PLACEHOLDER, EvaluationSpec, RunSpec
+from rlver_jax.spec.run import WORKDIR_PLACEHOLDER, EvaluationSpec, RunSpec, default_tree
 from rlver_jax.spec.sections import (CheckpointSpec, ConfigError, CriticSpec, DataSpec, EvalSpec,
                                      LogSpec, OptimSpec, PolicySpec, RolloutSpec,
                                      SimulatorSpec, require)
@@ -24,4 +28,4 @@ from rlver_jax.spec.rl_section import RLSpec
 
 __all__ = ["CheckpointSpec", "ConfigError", "CriticSpec", "DataSpec", "EvalSpec", "EvaluationSpec",
            "LogSpec", "OptimSpec", "PolicySpec", "RLSpec", "RolloutSpec", "RunSpec",
-           "SimulatorSpec", "WORKDIR_PLACEHOLDER", "require"]
+           "SimulatorSpec", "WORKDIR_PLACEHOLDER", "default_tree", "require"]

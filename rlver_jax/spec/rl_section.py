@@ -17,34 +17,59 @@ class RLSpec:
   """config.rl: batch layout, advantages, rewards and the loss (configs/base.py says what each is)."""
   profiles_per_step: int = 32
   group_size: int = 4
+  # A group's dialogues are copies of one state after the opening (the reference clones them), so
+  # they share the user's first line and the group baseline compares replies to the same opening.
   shared_opening: bool = True
+  # Their identical prefix (policy: system prompt + opening; simulator: persona, background, opening)
+  # is computed once and its KV rows copied; False prefills it for every member (same tokens).
   share_prefix: bool = True
   epochs: int = 1
+  # Mini-batches counted in rows, like the reference: -1 = one step's dialogues (profiles_per_step x
+  # group_size); in think mode every policy turn is a row, so a step makes about one optimizer update
+  # per turn. 0 = a fixed count of rl.mini_batches per step instead.
   mini_batch_rows: int = -1
-  mini_batches: int = 1
+  mini_batches: int = 1  # used when rl.mini_batch_rows = 0
+  # Rows per batch shard (data x fsdp device), x shards = global; at most: a micro-batch holds no
+  # more rows than its mini-batch needs (rounded up to the shards), the rest would be padding.
   micro_batch_size: int = 4
-  grpo_mean_only: bool = False
+  grpo_mean_only: bool = False  # Dr.GRPO: no division by the group std
+  # GRPO only. Dynamic sampling (DAPO): drop groups whose advantages are all 0 and roll out up to
+  # dynamic_sampling_max_rounds more rounds of profiles_per_step groups to refill the batch; slots
+  # still empty are filled with dropped groups at zero loss weight (the batch keeps its shape).
   dynamic_sampling: bool = False
   dynamic_sampling_max_rounds: int = 2
+  # GRPO only: "none" (the final reward on every turn), or each turn's return-to-go of emotion
+  # changes normalised over the group's dialogues at the same turn ("turn_index") or over all of
+  # the group's turns ("all_turns"); see rlver_jax/rl/turn_credit.py.
   turn_credit: str = "none"
   gamma: float = 1.0
   lam: float = 1.0
   whiten_advantages: bool = True
-  reward_mode: str = "terminal"
-  format_penalty: bool = False
+  reward_mode: str = "terminal"  # or "per_turn" (emotion deltas on each turn's last token)
+  format_penalty: bool = False  # think mode only: a dialogue with a malformed turn scores 0
+  # GRPO group mean and std: one value per dialogue ("dialogue"), or one per trained row
+  # ("turn_rows": in think mode a row per turn, so long dialogues weigh more).
   group_stats: str = "dialogue"
   clip_low: float = 0.2
   clip_high: float = 0.2
-  dual_clip: float = 0.0
+  dual_clip: float = 0.0  # 0 = off
   value_clip: float = 0.5
   entropy_coef: float = 0.001
-  loss_agg: str = "token-mean"
+  loss_agg: str = "token-mean"  # seq-* modes count samples: with think mode, one per turn
+  # chunk-token-mean: a token mean inside each of this many consecutive runs of a mini-batch's
+  # rows, then the mean of the runs (the reference: one run per GPU, 32 GPUs).
   loss_agg_chunks: int = 32
-  loss_norm_len: int = 0
-  kl_coef: float = 0.0
+  loss_norm_len: int = 0  # seq-mean-token-sum-norm divisor; 0 = policy.max_context
+  kl_coef: float = 0.0  # no reference model, as in the paper
   kl_kind: str = "k3"
   kl_in_reward: bool = False
+  # Policy-gradient loss: "ppo" (clipped surrogate; clip_high > clip_low is DAPO's clip-higher),
+  # "gspo" (sequence ratio, clipped per sequence; pair with loss_agg="seq-mean-token-mean" and the
+  # GSPO paper's clip range of 3e-4 / 4e-4), "cispo" (clipped ratio as a weight on logp).
   policy_loss: str = "ppo"
+  # Sampler/trainer mismatch correction: "none" | "token_tis" | "seq_tis" (truncated IS, capped at
+  # is_cap) | "token_mask" | "seq_mask" | "geo_mask" (drop tokens / samples whose ratio leaves
+  # [1/is_cap, is_cap]). mismatch/* metrics are logged every step, the drop shares at is_cap.
   is_correction: str = "none"
   is_cap: float = 2.0
   logits_chunk: int = 1024

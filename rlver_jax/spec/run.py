@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import ClassVar, Mapping
-
-import ml_collections
+from typing import Any, ClassVar, Mapping
 
 from rlver_jax.env.rollout import RolloutConfig
 from rlver_jax.parallel.sharding import MeshConfig
@@ -30,9 +28,9 @@ def _check_compile_cache(setting) -> None:
 # -- ConfigDict -> sections ------------------------------------------------------------------------
 
 
-def _plain(config: ml_collections.ConfigDict | Mapping) -> dict:
-  """A deep copy of the config as plain data (nested dicts)."""
-  if isinstance(config, ml_collections.ConfigDict):
+def _plain(config: Mapping) -> dict:
+  """A deep copy of the config as plain data (nested dicts); a ConfigDict gives its `to_dict()`."""
+  if hasattr(config, "to_dict"):
     return config.to_dict()
   return copy.deepcopy(dict(config))
 
@@ -42,10 +40,12 @@ def _plain(config: ml_collections.ConfigDict | Mapping) -> dict:
 RENAMED = {"rl.tis_cap": (0.0, "config.rl.is_correction='token_tis' with config.rl.is_cap=C")}
 
 
-def _section(cls, tree: dict, key: str, strict: bool):
-  """cls from tree[key]: a missing key takes the field's default; a key without a field is a
-  ConfigError unless `strict` is False (a saved config of another version); a renamed key set to
-  anything but its "off" value is a ConfigError naming the keys that replace it."""
+def _section(default, tree: dict, key: str, strict: bool):
+  """The section `default` (the spec's default instance of it) with tree[key]'s values: a missing
+  key keeps the default; a key without a field is a ConfigError unless `strict` is False (a saved
+  config of another version); a renamed key set to anything but its "off" value is a ConfigError
+  naming the keys that replace it."""
+  cls = type(default)
   values = dict(tree.get(key) or {})
   for name in [n for n in values if f"{key}.{n}" in RENAMED]:
     off, instead = RENAMED[f"{key}.{name}"]
@@ -57,20 +57,42 @@ def _section(cls, tree: dict, key: str, strict: bool):
     raise ConfigError(f"config.{key}.{unknown[0]}: not a setting of the run spec "
                       f"({cls.__name__} has no such field)")
   values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in names}
-  return cls(**values)
+  return dataclasses.replace(default, **values)
+
+
+def _defaults(cls) -> dict[str, Any]:
+  """The spec's field defaults, by name (sections as their default instances)."""
+  return {f.name: f.default for f in dataclasses.fields(cls) if f.name != "source"}
 
 
 def _top_level(cls, tree: dict, strict: bool) -> dict:
-  """The spec's fields from the tree: sections built by `_section`, plain keys copied."""
-  sections = cls.SECTIONS
-  names = {f.name for f in dataclasses.fields(cls)} - {"source"}
-  unknown = sorted(set(tree) - names)
+  """The spec's fields from the tree: sections built by `_section`, plain keys copied. The tree's
+  `kind` (written by `default_tree`, so every saved config.json says what it is) must be the spec's."""
+  kind = tree.get("kind", cls.KIND)
+  if kind != cls.KIND:
+    raise ConfigError(f"config.kind={kind!r}: this is a {cls.KIND!r} setting (a {kind!r} config "
+                      f"was given where {cls.__name__} is read)")
+  defaults = _defaults(cls)
+  names = set(defaults)
+  unknown = sorted(set(tree) - names - {"kind"})
   if unknown and strict:
     raise ConfigError(f"config.{unknown[0]}: not a setting of the run spec ({cls.__name__} has no "
                       "such field)")
-  out = {k: _section(sections[k], tree, k, strict) for k in sections}
-  out.update({k: tree[k] for k in names - set(sections) if k in tree})
+  out = {k: _section(defaults[k], tree, k, strict) for k in cls.SECTIONS}
+  out.update({k: tree[k] for k in names - set(cls.SECTIONS) if k in tree})
   return out
+
+
+def default_tree(cls) -> dict[str, Any]:
+  """Every setting of spec class `cls` (RunSpec, EvaluationSpec) at its default, as the nested
+  plain data a config file starts from, with the spec's `kind`: the one place defaults are declared."""
+  tree: dict[str, Any] = {"kind": cls.KIND}
+  for name, value in _defaults(cls).items():
+    if name in cls.SECTIONS:
+      value = {k: v for k, v in dataclasses.asdict(value).items()
+               if f"{name}.{k}" not in cls.UNREAD}
+    tree[name] = value
+  return tree
 
 
 def _rollout_config(policy: PolicySpec, rl: RLSpec, prompt: str, *, eval_mode: bool,
@@ -110,11 +132,16 @@ class RunSpec:
       "policy": PolicySpec, "critic": CriticSpec, "simulator": SimulatorSpec, "data": DataSpec,
       "rl": RLSpec, "rollout": RolloutSpec, "optim": OptimSpec, "mesh": MeshConfig,
       "checkpoint": CheckpointSpec, "eval": EvalSpec, "log": LogSpec}
+  KIND: ClassVar[str] = "training"
+  UNREAD: ClassVar[frozenset[str]] = frozenset(["eval.batch_size"])  # keys training never reads
 
-  algo: str = "grpo"
+  algo: str = "grpo"  # "grpo" | "ppo"
   seed: int = 0
   total_steps: int = 1
-  compile_cache_dir: str = ""
+  # JAX's persistent compilation cache, so a resumed or preempted run reads its compiled programs
+  # back: beside the checkpoints ({workdir} = --workdir), where a run resumed on a new VM finds it;
+  # '' = none (rlver_jax/run/compile_cache.py).
+  compile_cache_dir: str = WORKDIR_PLACEHOLDER + "/compile_cache"
   policy: PolicySpec = PolicySpec()
   critic: CriticSpec = CriticSpec()
   simulator: SimulatorSpec = SimulatorSpec()
@@ -128,9 +155,13 @@ class RunSpec:
   log: LogSpec = LogSpec()
   source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
+  @property
+  def kind(self) -> str:
+    """What the config is ("training"), as its config.json records it."""
+    return self.KIND
+
   @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict | Mapping, *, strict: bool = True
-                  ) -> "RunSpec":
+  def from_config(cls, config: Mapping, *, strict: bool = True) -> "RunSpec":
     """The spec of a training config; ConfigError names the first bad key. `strict=False` skips
     keys the spec does not know (a config.json saved by another version)."""
     tree = _plain(config)
@@ -221,22 +252,44 @@ class EvaluationSpec:
   SECTIONS: ClassVar[dict[str, type]] = {
       "policy": PolicySpec, "simulator": SimulatorSpec, "data": DataSpec, "eval": EvalSpec,
       "rollout": EvalRolloutSpec, "mesh": MeshConfig, "log": LogSpec}
+  KIND: ClassVar[str] = "evaluation"
+  # Training's keys an evaluation never reads, left out of its config (the users' game and change
+  # rules are config.eval's; the policy's sampling and turn cap are policy.* and eval.*'s).
+  UNREAD: ClassVar[frozenset[str]] = frozenset(
+      ["policy.preset", "policy.max_new_tokens", "simulator.preset", "simulator.start_emotion",
+       "simulator.max_turns", "simulator.end_below", "simulator.end_above",
+       "simulator.clamp_change", "simulator.state_change_range", "simulator.goodbye_match",
+       "simulator.info_flow", "simulator.history_chars", "simulator.history_measure",
+       "simulator.max_failed_share", "data.num_holdout", "data.sampling", "eval.every_steps",
+       "eval.temperature", "eval.top_p", "eval.top_k", "log.transcripts_every",
+       "log.wandb_project", "log.wandb_entity", "log.wandb_run_name"])
 
   seed: int = 0
-  compile_cache_dir: str = ""
-  policy: PolicySpec = PolicySpec()
-  simulator: SimulatorSpec = SimulatorSpec()
+  compile_cache_dir: str = WORKDIR_PLACEHOLDER + "/compile_cache"  # as RunSpec's
+  # Nothing trains: no fp32 master weights, no remat; room for a system prompt and 9 turns with
+  # dropped thoughts; Qwen2.5-Instruct's own generation_config sampling.
+  policy: PolicySpec = PolicySpec(param_dtype="bfloat16", remat="none", max_context=16384,
+                                  temperature=0.7, top_p=0.8, top_k=20)
+  # Persona and background, then ~1.3k tokens a turn for 9 turns.
+  simulator: SimulatorSpec = SimulatorSpec(max_context=20480)
   data: DataSpec = DataSpec()
-  # SAGE's rules: no range stated to the simulator, the change clamped in code, any 再见 / 拜拜.
-  eval: EvalSpec = EvalSpec(policy_max_new_tokens=5000, state_change_range=0,
+  # The benchmark's users: every profile of the file (num_profiles 0); a turn cap of SAGE's call
+  # (none stated) at the reference's training cap; SAGE's change and goodbye rules: no range stated
+  # to the simulator, the change clamped in code, 再见 / 拜拜 anywhere in the line.
+  eval: EvalSpec = EvalSpec(num_profiles=0, policy_max_new_tokens=5000, state_change_range=0,
                             goodbye_match="substring")
   rollout: EvalRolloutSpec = EvalRolloutSpec()
   mesh: MeshConfig = MeshConfig()
   log: LogSpec = LogSpec()
   source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
+  @property
+  def kind(self) -> str:
+    """What the config is ("evaluation"), as its config.json records it."""
+    return self.KIND
+
   @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict | Mapping) -> "EvaluationSpec":
+  def from_config(cls, config: Mapping) -> "EvaluationSpec":
     tree = _plain(config)
     return cls(**_top_level(cls, tree, strict=True), source=tree)
 

@@ -75,25 +75,42 @@ def _check_windows(section: str, decode_segment, window_step) -> None:
 @dataclasses.dataclass(frozen=True)
 class PolicySpec:
   """config.policy: the trained (or evaluated) model and how it samples."""
+  # HF safetensors directory (local or gs://), or a Hub id ORG/NAME[@REV] (docs/OPTIONS.md)
   checkpoint: str = "embedded"
-  preset: str = ""               # for `python -m rlver_jax.aot` only
-  param_dtype: str = "float32"
+  # Architecture preset for `python -m rlver_jax.aot` only (it compiles without reading checkpoints);
+  # training reads the architecture from the checkpoint. "NAME:L" keeps NAME's widths with L layers.
+  preset: str = ""
+  param_dtype: str = "float32"  # fp32 master weights
   compute_dtype: str = "bfloat16"
   remat: str = "full"
-  max_context: int = 8192
+  max_context: int = 8192  # KV cache slots per dialogue (all turns)
+  # Appended token counts are padded up to one of these (one compiled program each); the largest is
+  # also the chunk a long prefill is cut into. Policy appends: user turns (~16-64 tokens), prefills.
   append_buckets: tuple[int, ...] = (16, 64, 256, 1024)
-  decode_segment: int = 0        # tokens a decode call runs before its window is resized; 0 = a turn
-  window_step: int = 0           # decode windows past this size grow by it; 0 = powers of two
+  # A decode runs in calls of decode_segment tokens, each attending a window just past what its rows
+  # can reach: powers of two up to window_step, then its multiples (one compiled program each).
+  # Cost follows the filled cache (~1.05x) instead of the next power of two above it plus the whole
+  # budget (~1.3x); 0 and 0 = one call a turn, power-of-two windows (sampling/sampler.py).
+  decode_segment: int = 128
+  window_step: int = 1024
   think: bool = False
-  keep_thoughts: bool = False
-  max_new_tokens: int = 1024
+  keep_thoughts: bool = False  # think mode: earlier thoughts are dropped from later turns
+  max_new_tokens: int = 1024  # per turn (the reference allows 5,000)
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
-  language: str = ""             # "" = each profile's own
+  language: str = ""  # system prompt language; "" = each profile's own
+  # Strings that end a policy turn inside the decode loop besides <|im_end|> (e.g. "<|im_start|>"
+  # for a model that opens the next turn itself); () = none.
   stop_sequences: tuple[str, ...] = ()
-  prompt: str = "project"        # the training system prompt (chat.TRAINING_PROMPTS)
-  reply_cut: str = "label"       # what of a reply the user sees (chat.REPLY_CUTS)
+  # The training system prompt: "project" (this project's: the user's ease and trust, a thought on
+  # what they want and feel, the reply's form) or "reference" (the released RLVER prompts' meaning:
+  # an emotionally intelligent friend, a thought on reply strategy), both in this project's words.
+  prompt: str = "project"
+  # What of a reply the user sees: "label" (the text after </think> less one leading speaker
+  # label such as "Assistant:") or "reference" (the RLVER reference's: think mode keeps the text
+  # after the last 你：/你:, no-think mode the text as it is).
+  reply_cut: str = "label"
 
   def __post_init__(self):
     require("policy.prompt", self.prompt, self.prompt in TRAINING_PROMPTS,
@@ -123,9 +140,11 @@ class CriticSpec:
   """config.critic (PPO): "" starts the critic from the policy checkpoint plus a new value head;
   which tokens its loss trains on (`rl.prepare.VALUE_MASKS`) and how the head starts ("normal":
   the reference's, N(0, initializer_range of the checkpoint's config))."""
-  checkpoint: str = ""
+  checkpoint: str = ""  # "" = initialise from the policy checkpoint + a new value head
+  # The critic's loss trains on "policy_tokens" or "reference" (the reference's: from the first
+  # policy token through the position after the sample's end, user tokens inside included).
   value_mask: str = "policy_tokens"
-  head_init: str = "zeros"
+  head_init: str = "zeros"  # the new value head: "zeros" | "normal" (N(0, 0.02), the reference's)
 
   def __post_init__(self):
     require("critic.value_mask", self.value_mask, self.value_mask in VALUE_MASKS,
@@ -136,43 +155,78 @@ class CriticSpec:
 @dataclasses.dataclass(frozen=True)
 class SimulatorSpec:
   """config.simulator: the simulated user (its model or server, sampling, dialogue rules)."""
-  backend: str = "model"
+  backend: str = "model"  # "model" (co-located) | "http" | "scripted"
   checkpoint: str = "embedded"
-  preset: str = ""
+  preset: str = ""  # for rlver_jax.aot only, like policy.preset
   dtype: str = "bfloat16"
-  weight_dtype: str = "bf16"     # "int8": linear weights quantized at load
-  kv_dtype: str = "bf16"         # "int8": KV cache in int8 with a scale per token and KV head
+  # The frozen simulator's storage: "bf16" = as simulator.dtype; "int8" = symmetric int8 with a
+  # scale per output channel (weights) or per token and KV head (KV cache): half the bytes that its
+  # memory-bound decode reads (fidelity: README, benchmarks/int8_fidelity.py).
+  weight_dtype: str = "bf16"
+  kv_dtype: str = "bf16"  # "int8": KV cache in int8 with a scale per token and KV head
   style: str = "vanilla"
+  # KV slots per dialogue. The 'reference' flow keeps a clean transcript (profile, every visible
+  # line) plus one step's request and answer; 'chat' keeps every analysis and plan too (~16384).
   max_context: int = 8192
+  # Simulator appends are a policy reply plus an instruction, ~150-700 tokens: finer buckets there.
   append_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024)
-  decode_segment: int = 0
-  window_step: int = 0
+  decode_segment: int = 128  # as policy.decode_segment / window_step
+  window_step: int = 1024
   max_new_tokens: int = 512
   temperature: float = 0.7
   top_p: float = 0.9
   top_k: int = 0
   start_emotion: int = 30
+  # Policy replies per dialogue. The reference's limit of 8 is checked after the user's reply, so its
+  # training dialogues hold 9 policy replies; this counts them directly.
   max_turns: int = 9
-  end_below: int = 1
-  clamp_change: bool = True
-  score_guidance: bool = False
+  end_below: int = 1  # a dialogue ends when the emotion falls below this (1: at 0)
+  clamp_change: bool = True  # each stated change limited to [-10, 10] (as the benchmark)
+  score_guidance: bool = False  # no "+3 to +10 for a good reply" scale (the reference has none)
+  # What the simulator's steps see of each other: "reference" = the paper's: the emotion step sees a
+  # clean transcript, the reply step only the fit/feeling notes and the state label, each step's
+  # private answer rewound out of the cache once read (rlver_jax/env/info_flow.py); "chat" = one
+  # growing chat (every later step sees the earlier analyses and plans; this project's runs before
+  # 2026-12-07).
   info_flow: str = "reference"
+  # "sampled": the change the simulator wrote; "expected": the mean of its own distribution over
+  # -10..+10 where it wrote the value (model backend only; emotions become floats; see
+  # rlver_jax/env/expected_change.py). The held-out evaluation keeps "sampled" (the benchmark's rule).
   change_mode: str = "sampled"
-  max_parse_retries: int = 2
+  max_parse_retries: int = 2  # re-asks of an unreadable change line and of a missing reply line
   http_base_url: str = ""
   http_model: str = ""
   http_api_key_env: str = "OPENAI_API_KEY"
-  http_timeout_s: float = 120.0
-  http_deadline_s: float = 300.0
+  http_timeout_s: float = 120.0  # per connect / read
+  http_deadline_s: float = 300.0  # per attempt, connect to last byte (a trickling server)
   http_max_attempts: int = 4
   http_max_concurrency: int = 8
+  # A dialogue whose simulator request fails within its attempts ends as simulator_error (not
+  # trained); a step with a larger share of those stops the run (after saving the last step).
   max_failed_share: float = 0.5
+  # Model backend: end each decode on device right after its change line (emotion step) or reply
+  # line (reply step, opening) instead of decoding the text after it (env/answer_stops.py). Off:
+  # the parser reads the last label of a whole answer, so a model writing more labelled lines
+  # after the first could get another result.
   stop_at_lines: bool = False
+  # The emotion prompt (and its retry) asks for a change in [-N, N]; 0 states no range.
   state_change_range: int = 10
+  # A dialogue also ends when the emotion reaches this (0: never; the user still leaves on a goodbye
+  # or at 0).
   end_above: int = 100
+  # Goodbye detection: "clause" (再见/拜拜 ending a clause, not negated; English farewells) or
+  # "substring" (再见, 拜拜 or "bye" anywhere in the line).
   goodbye_match: str = "clause"
+  # Training ends a dialogue whose history passes this many characters; 0 = no limit (the policy's
+  # cache still bounds it: context_full).
   history_chars: int = 0
-  history_measure: str = "visible"  # what history_chars counts (env.rollout.HISTORY_MEASURES)
+  # What history_chars counts: "visible" (the user's and the policy's lines) or "rendered" (the
+  # policy's prompt as the chat template renders it: system prompt, role tags and the lines, as the
+  # reference counts).
+  history_measure: str = "visible"
+  # Decode layout of the frozen simulator over the same devices as config.mesh
+  # (rlver_jax/spec/layouts.py): 'auto' (tensor parallel over heads, data over cache rows),
+  # 'train' (config.mesh) or 'DATAxFSDPxTENSOR' such as '4x1x8'.
   mesh: str = "auto"
 
   def __post_init__(self):
@@ -244,7 +298,8 @@ class SimulatorSpec:
 class DataSpec:
   """config.data: the profile file (or a shipped demo set) and the held-out share."""
   profiles: str = "demo"
-  num_holdout: int = 0
+  num_holdout: int = 20  # held out from training for periodic evaluation
+  # "epochs": each profile once per shuffled epoch; "with_replacement": independent uniform draws.
   sampling: str = "epochs"
 
   def __post_init__(self):
@@ -269,8 +324,15 @@ def check_layout(key: str, value) -> None:
 @dataclasses.dataclass(frozen=True)
 class RolloutSpec:
   """config.rollout: how a step's dialogues share the samplers' KV cache rows."""
-  rows: int = 0                  # 0 = every dialogue at once (lockstep); else at most this many
-  policy_mesh: str = "auto"      # the policy's decode layout (rlver_jax/spec/layouts.py)
+  # KV cache rows of the policy and of the co-located simulator. 0 = one per dialogue of the step,
+  # all in lockstep (each turn draws one key for the batch). R = at most R dialogues at once: an
+  # ended dialogue's row goes at once to the next waiting group (continuous batching) and each
+  # dialogue samples from its own key stream, so every R gives the same dialogues (greedy: those of
+  # 0 too). rl.group_size <= R <= the step's dialogues (a group starts together).
+  rows: int = 0
+  # Decode layout of the policy's rollout copy (compute dtype, refreshed after each update):
+  # 'auto' | 'train' | 'DATAxFSDPxTENSOR', as simulator.mesh.
+  policy_mesh: str = "auto"
 
   def __post_init__(self):
     check_layout("rollout.policy_mesh", self.policy_mesh)
@@ -292,13 +354,15 @@ class OptimSpec:
   """config.optim: AdamW for the actor and the critic, with a linear warm-up."""
   actor_lr: float = 1e-6
   critic_lr: float = 5e-6
-  warmup_unit: str = "updates"
-  warmup_steps: int = 10
+  # Linear warm-up from 0, then constant. Counted in optimizer updates (epochs x mini-batches per RL
+  # step) or, as the reference does (its scheduler steps once per RL step), in RL steps.
+  warmup_unit: str = "updates"  # "updates" | "steps"
+  warmup_steps: int = 10  # actor
   critic_warmup_steps: int = 10
   b1: float = 0.9
   b2: float = 0.999
   weight_decay: float = 0.01
-  grad_clip: float = 1.0
+  grad_clip: float = 1.0  # global-norm clip; 0 = off
 
   def __post_init__(self):
     require("optim.actor_lr", self.actor_lr, self.actor_lr > 0, "> 0")
@@ -330,6 +394,8 @@ class CheckpointSpec:
   """config.checkpoint: how often to save, how many to keep, the grace for a save on SIGTERM."""
   every_steps: int = 10
   keep: int = 3
+  # SIGTERM: the last finished step is saved at once; its commit is awaited this long (a TPU VM's
+  # preemption notice gives ~30 s), then the run exits either way (an older checkpoint is intact).
   preempt_deadline_s: float = 25.0
 
   def __post_init__(self):
@@ -344,19 +410,28 @@ class CheckpointSpec:
 class EvalSpec:
   """config.eval: the held-out evaluation during training, or the Sentient evaluation's users.
   (`every_steps` and the sampling are training's; `batch_size` is the Sentient evaluation's.)"""
-  every_steps: int = 0
-  num_profiles: int = 0          # 0 = all
+  every_steps: int = 50  # 0 = never
+  num_profiles: int = 20  # 0 = all
   start_emotion: int = 40
-  max_turns: int = 9
-  end_below: int = 10
+  max_turns: int = 9  # policy replies: the opening + 9 replies = up to 10 user lines
+  end_below: int = 10  # the benchmark ends a dialogue in state F (emotion < 10)
+  # The policy's system prompt in the held-out evaluation: "sage" (the benchmark's ask, in this
+  # project's words), "chat_partner" (a generic one) or "training" (the one it is trained with).
   policy_prompt: str = "sage"
+  # Policy sampling during held-out evaluation: the same as configs/eval_sentient.py (Qwen2.5-Instruct's
+  # generation_config), so eval/score is comparable with `rlver_jax.evaluate`, not rollout sampling.
   temperature: float = 0.7
   top_p: float = 0.8
   top_k: int = 20
   batch_size: int = 32
-  policy_max_new_tokens: int = 0  # per policy turn, thought included; 0 = policy.max_new_tokens
-  info_flow: str = "sage"        # the simulator's information flow in evaluation
-  # The evaluation's change and goodbye rules (the simulator's section holds training's).
+  # Per policy turn, thought included; 0 = policy.max_new_tokens (the cap the policy trains at).
+  policy_max_new_tokens: int = 0
+  # The simulator's information flow in this evaluation: "sage" (the benchmark's: the reference
+  # flow whose reply step also reads the inner reaction; rlver_jax/env/info_flow.py), like
+  # configs/eval_sentient.py, whatever simulator.info_flow training uses.
+  info_flow: str = "sage"
+  # The held-out evaluation's change and goodbye rules (simulator.* hold training's); SAGE's are
+  # True, 0 and "substring" (:reference, configs/eval_sentient.py).
   clamp_change: bool = True
   state_change_range: int = 10
   goodbye_match: str = "clause"
@@ -385,11 +460,13 @@ class EvalSpec:
 @dataclasses.dataclass(frozen=True)
 class LogSpec:
   """config.log: transcripts (every N steps; 0 = never), the progress bar, W&B ('' = off)."""
-  transcripts_every: int = 0
+  transcripts_every: int = 10
   progress_bar: bool = True
+  # Weights & Biases (pip install 'rlver_jax[wandb]'): '' = off. The same scalars as TensorBoard,
+  # the config, the reward plot and transcripts; WANDB_MODE=offline keeps the run under WANDB_DIR.
   wandb_project: str = ""
-  wandb_entity: str = ""
-  wandb_run_name: str = ""
+  wandb_entity: str = ""  # '' = the API key's default entity
+  wandb_run_name: str = ""  # '' = a name W&B picks
 
   def __post_init__(self):  # before any model loads; find_spec does not import wandb
     require("log.wandb_project", self.wandb_project, not self.wandb_project or

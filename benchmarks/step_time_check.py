@@ -25,7 +25,7 @@ from model_shapes import SMOLLM2_135M
 import jax
 import jax.numpy as jnp
 
-from rlver_jax.aot import step_calls, step_time
+from rlver_jax.aot import forecast, step_calls, step_time
 from rlver_jax.aot import target as aot_target
 from rlver_jax.aot.report import run_layouts
 from rlver_jax.aot.chips import ChipSpec
@@ -71,7 +71,7 @@ def main():
   phases = step_time.estimate(model, calls, chip)
   print(f"Command: `{command_line()}`\n")
   print(machine_info() + "\n")
-  print(step_time.format_estimate(phases, chip, measured, header=(
+  print(forecast.format_estimate(phases, chip, measured, header=(
       f"grpo_think.py:runlocal step {int(measured.get('step', 0))} on this CPU, "
       f"{model.compiles} programs compiled")))
 

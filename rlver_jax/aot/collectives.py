@@ -18,6 +18,12 @@ Replica groups, as XLA and libtpu print them (n = devices in one group):
   replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}   named axes: n = the product of their sizes,
       also with `, device_ids=([2,4]T(1,0))` (a device order) between the mesh and the axes
   replica_groups={} (or none printed)      every device of the program: n = `devices`
+
+Exposed collectives (`exposed_links`): the compiled program is scheduled (one stream per chip), so a
+collective hides behind other work only where the compiler split it into `-start` and `-done` with
+work between them. A synchronous collective holds the stream: the op after it waits (most often it
+is the op that consumes its result). Both kinds with nothing scheduled between the collective's
+start and its first use add their link time to the program's.
 """
 from __future__ import annotations
 
@@ -96,22 +102,70 @@ def collective_links(hlo_text: str, devices: int) -> dict[str, Link]:
   """Per kind of collective, what one device of a `devices`-device program moves in one run."""
   links: dict[str, Link] = {}
   for line in hlo_text.splitlines():
-    m = _LINE.search(line)
-    if not m:
-      continue
-    op = m.group("op")
-    size = _result_bytes(m.group("shape"), op, bool(m.group("start")))
-    if op == "collective-permute":
-      links[op] = links.get(op, Link()) + Link(1, size, 1)
-      continue
-    n = group_size(line, devices)
-    if n <= 1:
-      continue
-    share = (n - 1) / n
-    moved = {"all-gather": share * size, "reduce-scatter": (n - 1) * size,
-             "all-reduce": 2 * share * size, "all-to-all": share * size}[op]
-    links[op] = links.get(op, Link()) + Link(1, moved, 2 * (n - 1) if op == "all-reduce" else n - 1)
+    found = _collective(line, devices)
+    if found is not None:
+      links[found[0]] = links.get(found[0], Link()) + found[1]
   return links
+
+
+# Ops that do work a collective in flight can overlap with; anything else (bitcast, tuple, copy of a
+# scalar, ...) is bookkeeping of the schedule.
+_WORK = ("fusion", "convolution", "dot", "custom-call", "while", "conditional", "call", "sort",
+         "scatter", "gather", "reduce", "copy-start")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>.+?) (?P<op>[a-z][\w\-]*)\(")
+
+
+def _collective(line: str, devices: int) -> tuple[str, Link] | None:
+  """(kind, this op's link use) of a collective's line; None for other lines or 1-device groups."""
+  m = _LINE.search(line)
+  if not m:
+    return None
+  op = m.group("op")
+  size = _result_bytes(m.group("shape"), op, bool(m.group("start")))
+  if op == "collective-permute":
+    return op, Link(1, size, 1)
+  n = group_size(line, devices)
+  if n <= 1:
+    return None
+  share = (n - 1) / n
+  moved = {"all-gather": share * size, "reduce-scatter": (n - 1) * size,
+           "all-reduce": 2 * share * size, "all-to-all": share * size}[op]
+  return op, Link(1, moved, 2 * (n - 1) if op == "all-reduce" else n - 1)
+
+
+def _exposed(lines: list[str], i: int, name: str) -> bool:
+  """Whether no work is scheduled between the collective at `lines[i]` and its first use (its
+  `-done` for an async start) in the same computation."""
+  used = re.compile(r"%" + re.escape(name) + r"[,)\s]")
+  for line in lines[i + 1:]:
+    if not line.startswith("  ") or line.strip() == "}":
+      return True  # end of the computation: its result leaves it
+    m = _INSTR.match(line)
+    if m is None:
+      continue
+    if used.search(line.partition(" = ")[2]):
+      return True
+    if m.group("op") in _WORK:
+      return False
+  return True
+
+
+def exposed_links(hlo_text: str, devices: int) -> Link:
+  """What one device's collectives that nothing overlaps (see the module docstring) move in one
+  run of the program."""
+  lines = hlo_text.splitlines()
+  total = Link()
+  for i, line in enumerate(lines):
+    found = _collective(line, devices)
+    if found is None:
+      continue
+    start = _INSTR.match(line)
+    if start is None:
+      continue
+    synchronous = not start.group("op").endswith("-start")
+    if synchronous or _exposed(lines, i, start.group("name")):
+      total = total + found[1]
+  return total
 
 
 def collective_bytes(hlo_text: str, devices: int) -> float:

@@ -4,9 +4,16 @@ batching on `rollout.rows` rows: with every dialogue of the same length, rows fr
 
 Keys (without the `calls/` prefix of metrics.jsonl): `policy/append/T64/W512` and
 `policy/prefill/T1024/W64` (calls of an append chunk of T tokens at window W), `policy/decode_steps/W512`
-(decode loop iterations at window W), `policy/decode_slots` (stated lengths only: the filled cache
-slots summed over decode steps, one row), the same under `simulator/`, and `update/micro_batches`,
-`update/rows`, `update/length`, `forward/micro_batches` (see `train.call_metrics`).
+(decode loop iterations at window W), `policy/decode_calls` (decode segments: a host round trip
+each), the same under `simulator/`, and `update/micro_batches`, `update/rows`, `update/length`,
+`forward/micro_batches` (see `train.call_metrics`). Stated lengths add, for one row:
+`ROLE/decode_slots` (the filled cache slots summed over decode steps), `ROLE/peak_slots` (the most
+slots a row fills), `simulator/answer_rounds` (simulator answers a dialogue, each one decode) and
+`host/text_round_trips` (policy turns and simulator answers: text leaves the device for each).
+
+The simulator's cache follows `simulator.info_flow`: 'chat' keeps every answer (analyses, plans,
+drafts) in its cache; 'reference' and 'sage' rewind each private answer out of it once read
+(`env.simulator`), so the cache holds the transcript plus the current request only.
 """
 from __future__ import annotations
 
@@ -70,7 +77,7 @@ class _Cache:
     self.windows = window_buckets(self.max_len)
     self.segment = section.decode_segment
     self.decode_windows = window_buckets(self.max_len, step=section.window_step)
-    self.length = 0
+    self.length = self.peak = 0
 
   def _add(self, key: str, n: float) -> None:
     self.calls[f"{self.role}/{key}"] = self.calls.get(f"{self.role}/{key}", 0.0) + n
@@ -90,9 +97,11 @@ class _Cache:
     for done in range(0, n, seg):  # `Sampler.decode`'s segments, each at its own window
       reach = self.length + done + min(seg, budget - done)
       self._add(f"decode_steps/W{bucket(max(reach, 1), self.decode_windows)}", min(seg, n - done))
+      self._add("decode_calls", 1)
     # Cache slots filled when each step reads it (the new token's included): the floor's KV bytes.
     self._add("decode_slots", n * self.length + n * (n + 1) // 2)
     self.length += n
+    self.peak = max(self.peak, self.length)
 
 
 def _policy_turns(spec: RunSpec, lengths: StatedLengths, policy: _Cache) -> list[int]:
@@ -116,16 +125,42 @@ def _policy_turns(spec: RunSpec, lengths: StatedLengths, policy: _Cache) -> list
   return samples if drop else [policy.length]
 
 
-def _simulator_turns(spec: RunSpec, lengths: StatedLengths, sim: _Cache) -> None:
+def _simulator_turns(spec: RunSpec, lengths: StatedLengths, sim: _Cache) -> int:
+  """The simulator's appends and decodes for one dialogue; returns its answers (decodes)."""
   s = spec.simulator
-  sim.append(lengths.simulator_prompt)
-  sim.decode(lengths.simulator_tokens, s.max_new_tokens)  # the opening line
-  for turn in range(lengths.turns):
-    sim.append(lengths.reply_tokens + lengths.instruction_tokens)  # the reply, the emotion step
+  answers = 0
+
+  def answer() -> None:
+    nonlocal answers
     sim.decode(lengths.simulator_tokens, s.max_new_tokens)
-    if turn < lengths.turns - 1:  # the last turn ends at max_turns without a user line
-      sim.append(lengths.instruction_tokens)
-      sim.decode(lengths.simulator_tokens, s.max_new_tokens)
+    answers += 1
+
+  if s.info_flow == "chat":
+    sim.append(lengths.simulator_prompt)
+    answer()  # the opening line
+    for turn in range(lengths.turns):
+      sim.append(lengths.reply_tokens + lengths.instruction_tokens)  # the reply, the emotion step
+      answer()
+      if turn < lengths.turns - 1:  # the last turn ends at max_turns without a user line
+        sim.append(lengths.instruction_tokens)
+        answer()
+    return answers
+  # 'reference' / 'sage': each answer is rewound once read; the user's visible line joins the
+  # transcript with the next request.
+  sim.append(lengths.simulator_prompt)
+  transcript = sim.length
+  answer()
+  line = lengths.user_tokens
+  for turn in range(lengths.turns):
+    sim.length = transcript
+    sim.append(line + lengths.reply_tokens + lengths.instruction_tokens)  # quoted reply, request
+    transcript += line + lengths.reply_tokens
+    answer()
+    if turn < lengths.turns - 1:
+      sim.length = transcript
+      sim.append(lengths.instruction_tokens)  # the state label and the analysis's reading
+      answer()
+  return answers
 
 
 def waves(spec: RunSpec) -> int:
@@ -142,11 +177,17 @@ def stated_calls(spec: RunSpec, lengths: StatedLengths, mesh=None) -> Calls:
   calls: Calls = {}
   policy = _Cache("policy", spec.policy, calls)
   samples = _policy_turns(spec, lengths, policy)
+  answers = 0
   if spec.simulator.backend == "model":
     sim = _Cache("simulator", spec.simulator, calls)
-    _simulator_turns(spec, lengths, sim)
+    answers = _simulator_turns(spec, lengths, sim)
+    calls["simulator/answer_rounds"] = float(answers)
+  calls["host/text_round_trips"] = float(lengths.turns + answers)
   repeat = waves(spec)
   calls = {key: n * repeat for key, n in calls.items()}
+  calls["policy/peak_slots"] = float(policy.peak)
+  if spec.simulator.backend == "model":
+    calls["simulator/peak_slots"] = float(sim.peak)
   layout = BatchLayout.for_step(len(samples) * ap.num_dialogues(spec), max(samples),
                                 ap.micro_batch_rows(spec, mesh),
                                 mini_batch_rows=spec.rl.rows_per_mini_batch,

@@ -26,8 +26,10 @@ from jax.sharding import Mesh
 from rlver_jax.aot import call_programs as cp
 from rlver_jax.aot import programs as ap
 from rlver_jax.aot.chips import ChipSpec
-from rlver_jax.aot.collectives import collective_links
+from rlver_jax.aot.collectives import collective_links, exposed_links
+from rlver_jax.aot.cost_cache import CostCache, fingerprint
 from rlver_jax.aot.layouts import Layouts
+from rlver_jax.aot.plan import per_device_bytes as plan_bytes
 from rlver_jax.aot.step_calls import Calls, sampler_keys
 from rlver_jax.sampling.sampler import window_buckets
 from rlver_jax.spec import RunSpec
@@ -39,12 +41,16 @@ PHASES = ("policy decode", "simulator decode", "prefills", "update", "reshard")
 class Cost:
   """Per-device work of one call: floating-point operations, bytes of memory accessed, and its
   collectives (`aot.collectives`): bytes sent over the interconnect, how many, and their ring steps
-  (each paying the link's latency). Counts are floats: extrapolated like the bytes."""
+  (each paying the link's latency); the `exposed_*` ones are those nothing overlaps
+  (`collectives.exposed_links`). Counts are floats: extrapolated like the bytes."""
   flops: float
   bytes: float
   link_bytes: float = 0.0
   link_ops: float = 0.0
   link_hops: float = 0.0
+  exposed_bytes: float = 0.0
+  exposed_ops: float = 0.0
+  exposed_hops: float = 0.0
 
   def __add__(self, other: "Cost") -> "Cost":
     return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -53,18 +59,27 @@ class Cost:
     return Cost(*(a * k for a in dataclasses.astuple(self)))
 
   def times(self, chip: ChipSpec) -> dict[str, float]:
-    link = self.link_bytes / chip.link_bytes_per_s if chip.link_bytes_per_s else 0.0
-    link += self.link_hops * chip.hop_latency_s
+    link = lambda nbytes, hops: ((nbytes / chip.link_bytes_per_s if chip.link_bytes_per_s else 0.0)
+                                 + hops * chip.hop_latency_s)
     return {"compute": self.flops / chip.flops_per_s, "memory": self.bytes / chip.bytes_per_s,
-            "collectives": link}
+            "collectives": link(self.link_bytes, self.link_hops),
+            "exposed": link(self.exposed_bytes, self.exposed_hops)}
 
   def seconds(self, chip: ChipSpec, collectives: bool = False) -> float:
     """The roofline: the larger of FLOP time and memory time (and link time, if asked)."""
     t = self.times(chip)
     return max(t["compute"], t["memory"], t["collectives"] if collectives else 0.0)
 
+  def forecast(self, chip: ChipSpec, flops_fraction: float, memory_fraction: float) -> float:
+    """FLOP and memory time at the achievable fractions of the peaks, the larger of them and the
+    overlapped collectives' link time, plus the exposed collectives' link time."""
+    t = self.times(chip)
+    return max(t["compute"] / flops_fraction, t["memory"] / memory_fraction,
+               t["collectives"] - t["exposed"]) + t["exposed"]
+
   def bound(self, chip: ChipSpec, collectives: bool = False) -> str:
     t = self.times(chip)
+    t.pop("exposed")
     if not collectives:
       t.pop("collectives")
     return max(t, key=t.get)
@@ -129,28 +144,47 @@ def _float_loop(hlo_line: str) -> bool:
 
 def compiled_program(fn, args, mesh: Mesh, between_meshes: bool = False):
   """`fn` traced with unrolled loops and compiled on `mesh`'s devices, as the cost model reads it."""
+  lowered, options, context = _lowered(fn, args, mesh, between_meshes)
+  with context():
+    return lowered.compile(compiler_options=options)
+
+
+def _lowered(fn, args, mesh: Mesh, between_meshes: bool):
   # No ambient mesh for a program between two meshes (the reshard): their device orders differ,
   # which jit refuses beside a context mesh; its shardings name both.
   context = (lambda: contextlib.nullcontext()) if between_meshes else (lambda: jax.set_mesh(mesh))
   with context(), unrolled_loops():
     lowered = fn.lower(*args)
   on_tpu = mesh.devices.flat[0].platform == "tpu"
+  return lowered, (_TPU_COST_OPTIONS if on_tpu else None), context
+
+
+def compiled_cost(fn, args, mesh: Mesh, between_meshes: bool = False,
+                  cache: CostCache | None = None) -> Cost:
+  """XLA's cost analysis of `compiled_program(fn, args, mesh)`, from `cache` if it holds the
+  program's fingerprint (`aot.cost_cache`). A loop left in the compiled program is an error: its
+  cost would count one iteration."""
+  lowered, options, context = _lowered(fn, args, mesh, between_meshes)
+  key = cache and fingerprint(lowered.as_text(), options, mesh.devices.flat)
+  stored = cache.get(key) if cache else None
+  if stored is not None:
+    return Cost(**stored)
   with context():
-    return lowered.compile(compiler_options=_TPU_COST_OPTIONS if on_tpu else None)
-
-
-def compiled_cost(fn, args, mesh: Mesh, between_meshes: bool = False) -> Cost:
-  """XLA's cost analysis of `compiled_program(fn, args, mesh)`. A loop left in the compiled program
-  is an error: its cost would count one iteration."""
-  compiled = compiled_program(fn, args, mesh, between_meshes)
-  if any(_float_loop(line) for line in compiled.as_text().splitlines()):
+    compiled = lowered.compile(compiler_options=options)
+  text = compiled.as_text()
+  if any(_float_loop(line) for line in text.splitlines()):
     raise ValueError("a compiled program of the step-time model still has a loop; its cost would "
                      "count one iteration")
   analysis = compiled.cost_analysis()
   analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
-  links = collective_links(compiled.as_text(), mesh.devices.size).values()
-  return Cost(float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0)),
-              sum(k.bytes for k in links), sum(k.ops for k in links), sum(k.hops for k in links))
+  links = collective_links(text, mesh.devices.size).values()
+  exposed = exposed_links(text, mesh.devices.size)
+  cost = Cost(float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0)),
+              sum(k.bytes for k in links), sum(k.ops for k in links), sum(k.hops for k in links),
+              exposed.bytes, exposed.ops, exposed.hops)
+  if cache:
+    cache.put(key, dataclasses.asdict(cost))
+  return cost
 
 
 def _depths(layers: int) -> tuple[int, ...]:
@@ -158,6 +192,22 @@ def _depths(layers: int) -> tuple[int, ...]:
   72B simulator's decode step on v5p-64 (4x1x8) costs 1,442 / 1,467 / 1,755 MB a device at 2 / 3 / 4
   layers, so 2 -> 3 gave 25 MB a layer for 219 MB of weights, 3 -> 4 gives 288 MB."""
   return (layers,) if layers <= 4 else (3, 4)
+
+
+def depth_line(at: dict[int, Cost], layers: int, layer_bytes: float = 0.0) -> tuple[Cost, bool]:
+  """(the cost at `layers` on the line through the costs at two depths, whether its bytes a layer
+  were raised to `layer_bytes`). XLA's bytes a layer vary with the depth compiled: the 7B policy's
+  decode step on v5p-64 (8x1x4) adds 180 / 87 / 155 MB from 2 / 3 / 4 to one layer more, for a
+  weight shard of 116.5 MB a layer, so the line through 3 and 4 read fewer bytes a step than the
+  chip's weight shard. A layer adds at least its weight shard and the cache it reads: `layer_bytes`."""
+  if len(at) == 1:
+    return next(iter(at.values())), False
+  (d0, c0), (d1, c1) = sorted(at.items())
+  per_layer = (c1 + c0.scaled(-1)).scaled(1 / (d1 - d0))
+  raised = per_layer.bytes < layer_bytes
+  if raised:
+    per_layer = dataclasses.replace(per_layer, bytes=layer_bytes)
+  return c1 + per_layer.scaled(layers - d1), raised
 
 
 class CostModel:
@@ -172,12 +222,16 @@ class CostModel:
 
   def __init__(self, spec: RunSpec, layouts: Layouts, *,
                layout: str = ap.TPU_CACHE_LAYOUT, rows: int | None = None,
-               compile_cost: Callable = compiled_cost, log: Callable[[str], None] = lambda _: None):
+               compile_cost: Callable = compiled_cost, cache: CostCache | None = None,
+               log: Callable[[str], None] = lambda _: None):
     self.spec, self.layouts, self.layout, self.log = spec, layouts, layout, log
     self.mesh = layouts.train
     self._rows = rows
     self.compile_cost = compile_cost
+    self.cache = cache
     self._kept: dict[tuple, Cost] = {}
+    self._layer_bytes: dict[str, tuple[float, float]] = {}
+    self.raised: set[tuple] = set()   # sampler calls whose bytes a layer `depth_line` raised
     self.compiles = 0
 
   def rows(self, role: str) -> int:
@@ -186,10 +240,10 @@ class CostModel:
   def _cost(self, key: tuple, build: Callable[[], tuple], mesh: Mesh) -> Cost:
     if key not in self._kept:
       fn, args = build()
+      kw = {"cache": self.cache} if self.cache is not None else {}
       if key[0] == "reshard":
-        self._kept[key] = self.compile_cost(fn, args, mesh, between_meshes=True)
-      else:
-        self._kept[key] = self.compile_cost(fn, args, mesh)
+        kw["between_meshes"] = True
+      self._kept[key] = self.compile_cost(fn, args, mesh, **kw)
       self.compiles += 1
       self.log(f"compiled {key}: {self._kept[key]}")
     return self._kept[key]
@@ -216,8 +270,29 @@ class CostModel:
                else (lambda: cp.append_call(shape, tokens, w, mesh)))
       return self._cost((role, kind, tokens, w, layers), build, mesh)
 
-    by_window = {w: extrapolate({d: at(d, w) for d in _depths(L)}, L) for w in ends}
+    by_window = {}
+    for w in ends:
+      by_window[w], raised = depth_line({d: at(d, w) for d in _depths(L)}, L,
+                                        self.layer_bytes(role, w))
+      if raised:
+        self.raised.add((role, kind, tokens, w))
     return extrapolate(by_window, window)
+
+  def layer_bytes(self, role: str, window: int) -> float:
+    """The least one layer adds to a sampler call on a device: its weight shard, and the keys
+    and values of the device's cache rows through `window` slots."""
+    if role not in self._layer_bytes:
+      model, _, max_len, _ = ap._sampler_role(self.spec, role)
+      mesh = self.layouts.for_role(role)
+      def held(layers: int) -> tuple[int, int]:
+        m = cp.with_layers(model, layers)
+        cache = ap.abstract_cache(ap.model_config(m), self.rows(role), max_len, ap.cache_dtype(m),
+                                  mesh, self.layout)
+        return (plan_bytes(ap.abstract_params(m, mesh)[1]), plan_bytes(cache))
+      (w1, k1), (w2, k2) = held(1), held(2)
+      self._layer_bytes[role] = (w2 - w1, (k2 - k1) / max_len)
+    weights, per_slot = self._layer_bytes[role]
+    return weights + per_slot * window
 
   def decode_bytes_line(self, role: str) -> tuple[float, float]:
     """(bytes a decode step reads whatever its window, bytes per window slot) per device, at the
@@ -250,20 +325,24 @@ class CostModel:
 
 @dataclasses.dataclass
 class PhaseTime:
-  """A phase's summed cost and roofline seconds (without and with the collectives' link time), and
-  how many of the former each bound took."""
+  """A phase's summed cost, roofline seconds (without and with the collectives' link time), the
+  forecast's seconds (`Cost.forecast`), and how many of the roofline's each bound took."""
   calls: float = 0.0
   cost: Cost = Cost(0.0, 0.0)
   seconds: float = 0.0
   seconds_with_links: float = 0.0
+  forecast: float = 0.0
   by_bound: dict = dataclasses.field(default_factory=dict)
 
-  def add(self, cost: Cost, n: float, chip: ChipSpec) -> None:
+  def add(self, cost: Cost, n: float, chip: ChipSpec,
+          fractions: tuple[float, float] = (1.0, 1.0)) -> None:
+    """`n` calls of `cost`; `fractions`: of peak FLOP/s and of HBM bandwidth, for the forecast."""
     self.calls += n
     self.cost = self.cost + cost.scaled(n)
     s = cost.seconds(chip) * n
     self.seconds += s
     self.seconds_with_links += cost.seconds(chip, collectives=True) * n
+    self.forecast += cost.forecast(chip, *fractions) * n
     self.by_bound[cost.bound(chip)] = self.by_bound.get(cost.bound(chip), 0.0) + s
 
   @property
@@ -274,75 +353,31 @@ class PhaseTime:
     return f"{name} ({self.by_bound[name] / self.seconds:.0%} of its time)"
 
 
-def estimate(model: CostModel, calls: Calls, chip: ChipSpec,
-             only: tuple[str, ...] = PHASES) -> dict[str, PhaseTime]:
+def estimate(model: CostModel, calls: Calls, chip: ChipSpec, only: tuple[str, ...] = PHASES,
+             fractions: tuple[float, float] = (1.0, 1.0)) -> dict[str, PhaseTime]:
   """Seconds per phase of the step whose program calls are `calls`; phases not in `only` are left
-  out (each program compiles for minutes on a CPU machine), decodes first."""
+  out (each program compiles for minutes on a CPU machine), decodes first. `fractions` (of peak
+  FLOP/s, of HBM bandwidth) price the forecast."""
   phases = {p: PhaseTime() for p in PHASES if p in only}
+
+  def add(phase: str, cost: Cost, n: float) -> None:
+    if phase in ("update", "reshard"):
+      # The real compile overlaps the training mesh's all-gathers and reduce-scatters with its
+      # matmuls (windowed einsums, which `_TPU_COST_OPTIONS` turns off to count them): none exposed.
+      cost = dataclasses.replace(cost, exposed_bytes=0.0, exposed_ops=0.0, exposed_hops=0.0)
+    phases[phase].add(cost, n, chip, fractions)
+
   for role, kind, tokens, window, n in sorted(sampler_keys(calls), key=lambda k: k[1] != "decode"):
     phase = f"{role} decode" if kind == "decode" else "prefills"
     if phase in phases:
-      phases[phase].add(model.sampler_call(role, kind, tokens, window), n, chip)
+      add(phase, model.sampler_call(role, kind, tokens, window), n)
   micro = calls.get("update/micro_batches", 0.0)
   if micro and "update" in phases:
     rows, length = int(calls["update/rows"]), int(calls["update/length"])
-    phases["update"].add(model.update_micro_batch(rows, length), micro, chip)
+    add("update", model.update_micro_batch(rows, length), micro)
     if model.spec.algo == "ppo":
-      phases["update"].add(model.update_micro_batch(rows, length, critic=True), micro, chip)
-    phases["update"].add(model.forward_micro_batch(rows, length), calls.get("forward/micro_batches", 0.0),
-                         chip)
+      add("update", model.update_micro_batch(rows, length, critic=True), micro)
+    add("update", model.forward_micro_batch(rows, length), calls.get("forward/micro_batches", 0.0))
   if model.layouts.policy_copy and "reshard" in phases:  # once per step, after the update
-    phases["reshard"].add(model.reshard(), 1, chip)
+    add("reshard", model.reshard(), 1)
   return phases
-
-
-def phase_layouts(layouts: Layouts) -> dict[str, str]:
-  """The mesh (data x fsdp x tensor) each phase's programs ran on, for the table."""
-  policy, sim, train = (layouts.shape(r) for r in ("policy", "simulator", "train"))
-  return {"policy decode": policy, "simulator decode": sim,
-          "prefills": f"policy {policy}, simulator {sim}", "update": train,
-          "reshard": f"{train} -> {policy}"}
-
-
-def format_estimate(phases: dict[str, PhaseTime], chip: ChipSpec, measured: dict[str, float],
-                    header: str, layouts: dict[str, str] | None = None) -> str:
-  """The phases as a Markdown table, the total, the measured seconds if known, and the assumptions.
-  "collectives" counts the collective ops a device runs; "seconds with link time" prices each call at
-  the larger of its roofline and its link time (bytes over the link plus every ring step's latency)."""
-  layouts = layouts or {}
-  lines = [header, "", "| phase | layout | calls | TFLOP / device | HBM GB / device | "
-           "link GB / device | collectives | seconds (roofline) | bound | seconds with link time |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-  for name, p in phases.items():
-    lines.append(f"| {name} | {layouts.get(name, '-')} | {p.calls:,.0f} | {p.cost.flops / 1e12:.3f} | "
-                 f"{p.cost.bytes / 1e9:.2f} | {p.cost.link_bytes / 1e9:.2f} | {p.cost.link_ops:,.0f} | "
-                 f"{p.seconds:.3f} | {p.bound} | {p.seconds_with_links:.3f} |")
-  for name in PHASES:
-    if name not in phases:
-      lines.append(f"| {name} | {layouts.get(name, '-')} | not estimated (--phases) | | | | | | | |")
-  total = sum(p.seconds for p in phases.values())
-  update = phases["update"].seconds if "update" in phases else 0.0
-  rollout = total - update - (phases["reshard"].seconds if "reshard" in phases else 0.0)
-  linked = sum(p.seconds_with_links for p in phases.values())
-  partial = "" if set(phases) == set(PHASES) else " (estimated phases only)"
-  lines.append(f"| step{partial} | | | | | | | {total:.3f} | rollout {rollout:.3f} s, update "
-               f"{update:.3f} s | {linked:.3f} |")
-  if "rollout_seconds" in measured:
-    got = measured["rollout_seconds"] + measured.get("update_seconds", 0.0)
-    lines.append(f"\nmeasured: rollout {measured['rollout_seconds']:.2f} s, update "
-                 f"{measured.get('update_seconds', 0.0):.2f} s; measured / predicted = "
-                 f"{measured['rollout_seconds'] / max(rollout, 1e-12):.2f} (rollout), "
-                 f"{measured.get('update_seconds', 0.0) / max(update, 1e-12):.2f} "
-                 f"(update), {got / max(total, 1e-12):.2f} (step)")
-  lines.append(f"\nassumptions: {chip.name} at {chip.flops_per_s / 1e12:g} TFLOP/s, "
-               f"{chip.bytes_per_s / 1e9:g} GB/s memory and {chip.link_bytes_per_s / 1e9:g} GB/s "
-               f"interconnect per device, {chip.hop_latency_s * 1e6:g} us per ring step of a "
-               "collective; each call at the larger of its FLOP and memory time (XLA's "
-               "cost analysis per device, loops unrolled, 3-4 layers extrapolated, windows "
-               "interpolated), the last column also at its collectives' link time if larger (bytes "
-               "and ops from the HLO, ring algorithms, no overlap assumed beyond the max); no host work or "
-               "dispatch; the optimizer update "
-               "counted once per micro-batch; scoring passes (old and reference log-probs, critic "
-               "values) costed as the policy's log-prob pass; the reshard (training params cast "
-               "and moved to the policy's decode layout) once per step.")
-  return "\n".join(lines)

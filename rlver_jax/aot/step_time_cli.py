@@ -7,6 +7,8 @@
 
 Without --calls_from the calls are laid out from stated lengths (--turns, --policy_tokens, ...; each
 defaults to the config's budget, a lockstep step in which every turn uses its whole budget).
+The forecast's assumptions are flags too (--memory_fraction, ...: `aot.forecast.Assumptions`), and
+compiled programs' costs are kept in --cost_cache (`aot.cost_cache`).
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from absl import flags
 
 from rlver_jax.aot import plan as run_plan
 from rlver_jax.aot import programs as ap
-from rlver_jax.aot import floor, step_calls, step_time
+from rlver_jax.aot import floor, forecast, step_calls, step_time
+from rlver_jax.aot.cost_cache import DEFAULT_DIR, CostCache
 from rlver_jax.aot import target as aot_target
 from rlver_jax.aot.chips import ChipSpec, chip_for_kind
 from rlver_jax.aot.report import run_layouts
@@ -34,6 +37,11 @@ _PHASES = flags.DEFINE_list("phases", list(step_time.PHASES), "Phases to estimat
                             "compiles for minutes here): " + ", ".join(step_time.PHASES))
 _FLOPS = flags.DEFINE_float("chip_flops", None, "Peak FLOP/s per device (default: the chip's nominal).")
 _BANDWIDTH = flags.DEFINE_float("chip_bandwidth", None, "Memory bytes/s per device (default: nominal).")
+_CACHE = flags.DEFINE_string("cost_cache", DEFAULT_DIR, "Directory of compiled programs' costs, "
+                             "keyed by their HLO fingerprint ('' = compile everything).")
+_ASSUME = {f.name: flags.DEFINE_float(f.name, None, f"Forecast: {f.name.replace('_', ' ')} "
+                                      f"(default {f.default:g}; see rlver_jax.aot.forecast)")
+           for f in dataclasses.fields(forecast.Assumptions)}
 _LENGTHS = {
     "turns": ("policy replies per dialogue", lambda c: c.simulator.max_turns),
     "policy_tokens": ("decode steps per policy turn", lambda c: c.policy.max_new_tokens),
@@ -51,6 +59,13 @@ _LENGTH_FLAGS = {k: flags.DEFINE_integer(k, None, f"{doc} (stated-lengths mode)"
 def stated_lengths(spec: RunSpec) -> step_calls.StatedLengths:
   return step_calls.StatedLengths(**{k: f.value if f.value is not None else _LENGTHS[k][1](spec)
                                      for k, f in _LENGTH_FLAGS.items()})
+
+
+def assumptions() -> forecast.Assumptions:
+  try:
+    return forecast.Assumptions(**{k: f.value for k, f in _ASSUME.items() if f.value is not None})
+  except ValueError as e:
+    raise AotError(str(e)) from None
 
 
 def layout_word(spec: RunSpec) -> str:
@@ -99,30 +114,46 @@ def run_estimate(spec: aot_target.Target, topology: str) -> str:
   hbm = None if topology == "cpu" else hbm_per_device(devices)
   layouts = run_layouts(spec, devices, None, hbm)
   chip = _chip(devices)
+  cache = CostCache(_CACHE.value) if _CACHE.value else None
+  a = assumptions()
   try:
     calls, measured, source = _calls(spec, layouts.train)
-    model = step_time.CostModel(spec, layouts, layout=layout,
+    model = step_time.CostModel(spec, layouts, layout=layout, cache=cache,
                                 log=lambda line: print(line, file=sys.stderr, flush=True))
   except ValueError as e:
     raise AotError(str(e)) from None
   unknown = [p for p in _PHASES.value if p not in step_time.PHASES]
   if unknown:
     raise AotError(f"--phases: unknown phase {unknown[0]!r}; known: {', '.join(step_time.PHASES)}")
-  phases = step_time.estimate(model, calls, chip, tuple(_PHASES.value))
+  phases = step_time.estimate(model, calls, chip, tuple(_PHASES.value),
+                              fractions=(a.flops_fraction, a.memory_fraction))
+  extra = forecast.extras(spec, calls, phases, layouts, a, recorded=_CALLS_FROM.value is not None)
   rows = ", ".join(f"{r} {model.rows(r)}" for r in ("policy", "simulator"))
-  table = step_time.format_estimate(phases, chip, measured, header=(
-      f"step time on {topology} ({layouts.describe()}; cache rows {rows}, {layout_word(spec)}), "
-      f"{source}; {model.compiles} programs compiled"), layouts=step_time.phase_layouts(layouts))
-  floors = [f for f in (floor.decode_floor(spec, calls, r, len(devices), chip)
-                        for r in ("policy", "simulator")) if f]
-  seconds = {r: (phases[f"{r} decode"].seconds, phases[f"{r} decode"].seconds_with_links)
-             for r in ("policy", "simulator") if f"{r} decode" in phases}
-  floors = [f for f in floors if f.role in seconds]
+  table = forecast.format_estimate(phases, chip, measured, header=(
+      f"step time on {topology} ({layouts.describe()}; cache rows {rows}, {layout_word(spec)}; "
+      f"simulator.info_flow {spec.simulator.info_flow!r}), {source}; {model.compiles} programs "
+      f"costed{'; ' + cache.describe() if cache else ''}"),
+      layouts=forecast.phase_layouts(layouts), extra=extra, a=a,
+      programs=forecast.compile_programs(calls, phases), raised=len(model.raised))
+  return table + _floors(spec, calls, phases, model, layouts, chip, len(devices))
+
+
+def _floors(spec, calls, phases, model, layouts, chip, n) -> str:
+  """The floor of each decode, where its bytes go, and the rows' peak cache fill."""
+  floors = [f for f in (floor.decode_floor(spec, calls, r, n, chip)
+                        for r in ("policy", "simulator")) if f and f"{f.role} decode" in phases]
+  seconds = {f.role: (phases[f"{f.role} decode"].seconds, phases[f"{f.role} decode"].seconds_with_links)
+             for f in floors}
   splits = {}
   for f in floors:
     decode_model = ap._sampler_role(spec, f.role)[0]
     shard = run_plan.per_device_bytes(ap.abstract_params(decode_model, layouts.for_role(f.role))[1])
     splits[f.role] = floor.Split(*model.decode_bytes_line(f.role), floor.kv_bytes_per_slot(
-        decode_model) * model.rows(f.role) / len(devices), shard)
-  return table + ("\n\n" + floor.format_floors(floors, seconds, len(devices), splits, chip)
-                  if floors else "")
+        decode_model) * model.rows(f.role) / n, shard)
+  out = ("\n\n" + floor.format_floors(floors, seconds, n, splits, chip)) if floors else ""
+  for role in ("policy", "simulator"):
+    if f"{role}/peak_slots" in calls:
+      slots = (spec.policy if role == "policy" else spec.simulator).max_context
+      out += (f"\n{role} cache: a row fills at most {calls[f'{role}/peak_slots']:,.0f} of its "
+              f"{slots:,} slots at these lengths")
+  return out

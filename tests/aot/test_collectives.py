@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rlver_jax.aot import step_time
-from rlver_jax.aot.collectives import Link, collective_bytes, collective_links, group_size
+from rlver_jax.aot.collectives import (Link, collective_bytes, collective_links, exposed_links,
+                                       group_size)
 
 # (line, devices in the program, devices in a group, bytes one device moves: by hand)
 _FORMS = [
@@ -77,6 +78,33 @@ def test_async_starts_count_their_results_once_and_counts_and_steps_by_kind():
       "collective-permute": Link(1, 32 * 64 * 4, 1),
       "all-gather": Link(1, (64 + 16) / 2, 1),
       "all-reduce": Link(2, 2 * 7 / 8 * (4000 + 20), 2 * 14)}
+
+
+def test_exposed_collectives_are_synchronous_or_async_with_no_work_before_their_use():
+  """A scheduled computation: which collectives' link time nothing overlaps, by hand."""
+  hlo = "\n".join([
+      "%body (p: f32[1000]) -> f32[1000] {",
+      # synchronous, consumed at once: exposed (2 x 7/8 x 4,000 B, 14 ring steps)
+      "  %all-reduce.1 = f32[1000]{0} all-reduce(%g), replica_groups=[1,8]<=[8], to_apply=%add",
+      "  %c = f32[1000]{0} fusion(%all-reduce.1), kind=kLoop",
+      # async with a fusion between start and done: hidden behind it
+      "  %all-gather-start = (f32[8]{0}, f32[64]{0}) all-gather-start(%q), replica_groups=[1,8]<=[8], "
+      "dimensions={0}",
+      "  %d = f32[1000]{0} fusion(%c), kind=kLoop",
+      "  %all-gather-done = f32[64]{0} all-gather-done(%all-gather-start)",
+      # async with only bookkeeping between: exposed (7/8 x 256 B, 7 ring steps)
+      "  %all-gather-start.2 = (f32[8]{0}, f32[64]{0}) all-gather-start(%d), replica_groups=[1,8]<=[8], "
+      "dimensions={0}",
+      "  %b = f32[8,8]{1,0} bitcast(%d)",
+      "  %all-gather-done.2 = f32[64]{0} all-gather-done(%all-gather-start.2)",
+      # synchronous, its user later: the stream still waits for it
+      "  %all-reduce.2 = bf16[10]{0} all-reduce(%h), replica_groups={}, to_apply=%add",
+      "  %e = f32[1000]{0} fusion(%d), kind=kLoop",
+      "  ROOT %t = (f32[1000]{0}, bf16[10]{0}) tuple(%e, %all-reduce.2)",
+      "}"])
+  assert exposed_links(hlo, 8) == Link(3, 7000 + 7 / 8 * 256 + 2 * 7 / 8 * 20, 14 + 7 + 14)
+  total = collective_links(hlo, 8)
+  assert total["all-gather"].ops == 2 and total["all-reduce"].ops == 2
 
 
 def _gather_over_4_of_8(devices):

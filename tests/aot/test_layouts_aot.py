@@ -10,7 +10,7 @@ import pytest
 import test_aot
 from rlver_jax.aot import layouts as aot_layouts
 from rlver_jax.aot import plan as run_plan
-from rlver_jax.aot import step_time
+from rlver_jax.aot import forecast, step_time
 from rlver_jax.aot.target import from_config as _spec
 from rlver_jax.aot.chips import CHIPS
 from rlver_jax.aot.report import run_layouts
@@ -80,8 +80,8 @@ def test_the_estimate_names_each_phases_layout(tiny):
   layouts = run_layouts(_spec(tiny), jax.devices())
   assert layouts.describe() == ("train 1x8x1, policy decode 4x1x2 (decode copy), simulator decode "
                                 "2x2x2 (data x fsdp x tensor)")
-  table = step_time.format_estimate({p: step_time.PhaseTime() for p in step_time.PHASES},
-                                    CHIPS["v5p"], {}, "h", step_time.phase_layouts(layouts))
+  table = forecast.format_estimate({p: step_time.PhaseTime() for p in step_time.PHASES},
+                                    CHIPS["v5p"], {}, "h", forecast.phase_layouts(layouts))
   for row in ("| policy decode | 4x1x2 |", "| simulator decode | 2x2x2 |",
               "| prefills | policy 4x1x2, simulator 2x2x2 |", "| update | 1x8x1 |",
               "| reshard | 1x8x1 -> 4x1x2 |"):
@@ -189,3 +189,45 @@ def test_serving_decode_reads_the_kv_window_in_place_on_tpu(tiny_bf16):
   assert _window_copies(tiny_bf16, "auto", 512) == []   # 4x1x2: one kv head a chip
   copies = _window_copies(tiny_bf16, "train", 512)
   assert sum(" copy(" in c for c in copies) == 2 * _T.num_layers, copies   # k and v, each layer
+
+
+@pytest.mark.parametrize("policy_mesh, simulator_mesh, weight_dtype, hbm_gib, topology, expected", [
+    ("auto", "auto", "bf16", None, None, ("2x1x4", "1x1x8")),
+    ("auto", "auto", "int8", 16, None, ("1x2x4", "1x1x8")),   # the fp32 7B's shard crowds 16 GiB
+    ("-1x1x2", "train", "bf16", None, None, ("4x1x2", "1x8x1")),   # the training mesh itself
+    ("2x1x4", "1x2x4", "bf16", None, None, ("2x1x4", "1x2x4")),
+    # runlocal's fp32 72B crowds a 95 GiB chip at tensor 8: FSDP 2 as well
+    pytest.param("auto", "auto", "bf16", 95, "v5p:2x4x4", ("8x1x4", "2x2x8"), marks=_needs_libtpu),
+])
+def test_the_plans_meshes_are_the_meshes_the_trainer_builds(monkeypatch, policy_mesh, simulator_mesh,
+                                                            weight_dtype, hbm_gib, topology,
+                                                            expected):
+  """`build.decode_mesh` (the trainer's, over `build.mesh_from`) and `aot.layouts.resolve` (the
+  plan's) give equal meshes: the same sizes and the same device order, for each model of
+  grpo_think:runlocal (the 7B and 72B presets) on the 8 fake CPU devices, and on v5p-64, where a mesh
+  of each shape would otherwise pick its own physical order (`make_mesh`)."""
+  from rlver_jax import build
+  from rlver_jax.models.presets import param_dtype_of
+  from rlver_jax.aot import programs as ap
+  config = test_aot._RUN_CONFIGS["grpo_think"]("runlocal")
+  config.rollout.policy_mesh, config.simulator.mesh = policy_mesh, simulator_mesh
+  config.simulator.weight_dtype = weight_dtype
+  spec = _spec(config)
+  hbm = hbm_gib and hbm_gib * 2**30
+  monkeypatch.setattr(build, "_hbm_bytes", lambda: hbm)
+  devices = jax.devices()
+  if topology:   # the trainer's jax.devices() on that slice
+    from rlver_jax.aot.topology import get_topology
+    devices = get_topology(topology)
+    monkeypatch.setattr(jax, "devices", lambda *_: devices)
+  # The trainer reads the simulator's architecture from its checkpoint; here, the preset's.
+  monkeypatch.setattr(build, "simulator_config", lambda sim: ap.model_config(ap.simulator_model(spec)))
+  plan = run_layouts(spec, devices, None, hbm)
+  mesh = build.mesh_from(spec.mesh)
+  policy, _ = build.decode_mesh(spec.rollout.policy_mesh, "rollout.policy_mesh",
+                                ap.model_config(ap.policy_model(spec)), spec.mesh, mesh,
+                                param_dtype_of(spec.policy.compute_dtype), "policy rollout")
+  simulator, _ = build.simulator_mesh(spec.simulator, spec.mesh, mesh)
+  assert (plan.train, plan.policy, plan.simulator) == (mesh, policy, simulator)
+  assert [d.id for d in plan.simulator.devices.flat] == [d.id for d in simulator.devices.flat]
+  assert (plan.shape("policy"), plan.shape("simulator")) == expected

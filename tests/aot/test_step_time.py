@@ -4,6 +4,7 @@ import importlib.util
 import json
 import pathlib
 import runpy
+import dataclasses
 import types
 
 import jax
@@ -12,7 +13,7 @@ import pytest
 from absl import flags
 from absl.testing import flagsaver
 
-from rlver_jax.aot import step_calls, step_time, step_time_cli
+from rlver_jax.aot import forecast, step_calls, step_time, step_time_cli
 from rlver_jax.aot import target as aot_target
 from rlver_jax.aot.chips import CHIPS, ChipSpec, chip_for_kind
 from rlver_jax.aot.step_time import Cost, PhaseTime, extrapolate
@@ -76,9 +77,39 @@ def test_link_time_adds_every_ring_step_latency_by_hand():
   p = PhaseTime()
   p.add(step, 1000, v5p)
   assert p.cost.link_ops == 160_000 and p.seconds_with_links == pytest.approx(1000 * link)
-  table = step_time.format_estimate({"policy decode": p, "update": PhaseTime()}, v5p, {}, "h")
-  assert ("| policy decode | - | 1,000 | 0.000 | 2765.00 | 6.00 | 160,000 | 1.000 | "
-          "memory (100% of its time) | 2.250 |") in table and "1 us per ring step" in table
+
+
+def test_forecast_adds_exposed_link_time_at_stated_fractions_by_hand():
+  """Half the all-reduces of the step above exposed: their 1.125 ms add to the HBM time at 44%
+  (2.273 ms), which the other half's 1.125 ms overlaps."""
+  step = Cost(0, 2.765e9, link_bytes=6e6, link_ops=160, link_hops=2240, exposed_bytes=3e6,
+              exposed_ops=80, exposed_hops=1120)
+  v5p = CHIPS["v5p"]
+  exposed = 3e6 / 600e9 + 1120e-6
+  assert step.times(v5p)["exposed"] == pytest.approx(exposed)
+  assert step.forecast(v5p, 0.5, 0.44) == pytest.approx(1e-3 / 0.44 + exposed)
+  # Compute-bound: 2 ms of FLOPs at 50% = 4 ms, more than the overlapped link time.
+  assert Cost(918e9, 0).forecast(v5p, 0.5, 0.44) == pytest.approx(4e-3)
+  # At full fractions and nothing exposed the forecast is the roofline with link time.
+  plain = dataclasses.replace(step, exposed_bytes=0, exposed_ops=0, exposed_hops=0)
+  assert plain.forecast(v5p, 1, 1) == pytest.approx(plain.seconds(v5p, collectives=True))
+  p = PhaseTime()
+  p.add(step, 1000, v5p, fractions=(0.5, 0.44))
+  assert p.forecast == pytest.approx(1000 * (1e-3 / 0.44 + exposed))
+  table = forecast.format_estimate({"policy decode": p, "update": PhaseTime()}, v5p, {}, "h",
+                                   extra=[forecast.Extra("host round trips", 0.5, "by hand")])
+  assert ("| policy decode | - | 1,000 | 0.000 | 2765.00 | 6.00 | 160,000 (80,000) | 1.000 | "
+          "memory (100% of its time) | 2.250 | 3.398 |") in table and "1 us per ring step" in table
+  assert "| host round trips | 0.500 | by hand |" in table
+  assert ("step (estimated phases only): roofline 1.0 s (a bound), with link time 2.2 s (a bound); "
+          "forecast 3.9 s (programs 3.4 s + outside them 0.5 s)") in table
+  assert "memory time / 0.44" in table and "FLOP time / 0.5" in table
+  with pytest.raises(ValueError, match=r"--memory_fraction=0: must be in \(0, 1\]"):
+    forecast.Assumptions(memory_fraction=0)
+
+
+def test_link_time_of_a_gpu_counts_bytes_only():
+  step = Cost(0, 2.765e9, link_bytes=6e6, link_ops=160, link_hops=160 * 14)
   assert CHIPS["h100"].hop_latency_s == 0   # none known: the bytes alone
   assert step.times(CHIPS["h100"])["collectives"] == pytest.approx(6e6 / 900e9)
 
@@ -127,6 +158,30 @@ def test_estimate_multiplies_costs_by_calls_by_hand():
   assert list(only) == ["reshard"] and only["reshard"].seconds == pytest.approx(0.5)
 
 
+class _ExposedCosts(_FixedCosts):
+  """Every call: 3 s of HBM, 2 s of link time, half of it exposed (at 1 GB/s of both)."""
+  cost = Cost(0, 3e9, link_bytes=2e9, link_ops=2, exposed_bytes=1e9, exposed_ops=1)
+
+  def sampler_call(self, role, kind, tokens, window):
+    return self.cost
+
+  def update_micro_batch(self, rows, length, critic=False):
+    return self.cost
+
+  def reshard(self):
+    return self.cost
+
+
+def test_the_training_meshs_collectives_count_as_overlapped_in_the_forecast():
+  calls = {"policy/decode_steps/W64": 1, "update/micro_batches": 1, "update/rows": 1,
+           "update/length": 1, "forward/micro_batches": 0}
+  phases = step_time.estimate(_ExposedCosts(), calls, _LINKED)
+  assert phases["policy decode"].forecast == pytest.approx(3 + 1)   # the exposed second adds
+  assert phases["update"].forecast == pytest.approx(2 * 3)          # PPO: policy and critic, hidden
+  assert phases["reshard"].forecast == pytest.approx(3)
+  assert phases["update"].seconds_with_links == pytest.approx(2 * 3)
+
+
 def _scan_matmuls(x, ws):
   return jax.lax.scan(lambda h, w: (h @ w, None), x, ws)[0]
 
@@ -160,28 +215,57 @@ def test_unrolled_loops_count_every_iteration_on_cpu():
     assert " while(" in looped.lower(x, ws).compile().as_text()
 
 
+_LENGTHS = step_calls.StatedLengths(turns=2, policy_tokens=32, reply_tokens=20, user_tokens=30,
+                                    simulator_tokens=40, policy_prompt=100, simulator_prompt=120,
+                                    instruction_tokens=30)
+# Both flows' policy side and counts: one decode segment a turn, 4 simulator answers (the opening,
+# 2 emotion steps, the reply of turn 1), 2 policy turns + 4 answers through the host as text.
+_POLICY_AND_COUNTS = {
+    "policy/prefill/T256/W64": 1,       # 100 prompt tokens into an empty cache
+    "policy/decode_steps/W256": 64,     # 32 steps from 100 (window 132 -> 256), then from 151
+    "policy/append/T64/W128": 1,        # rewound to 100: reply 20 + <|im_end|> + user 30 = 51
+    # Filled slots summed over decode steps (the floor's KV): 32 steps from 100 and from 151
+    # (32 x 100 + 528, 32 x 151 + 528); a row's most: 151 + 32.
+    "policy/decode_slots": 3728 + 5360, "policy/peak_slots": 183, "policy/decode_calls": 2,
+    "simulator/decode_calls": 4, "simulator/answer_rounds": 4, "host/text_round_trips": 6,
+    # 2 dialogues x 2 turns = 4 samples of <= 183 tokens -> length 192; 2 mini-batches of 2 rows.
+    "update/micro_batches": 2, "update/rows": 2, "update/length": 192, "forward/micro_batches": 2}
+
+
 def test_stated_calls_follow_the_lockstep_rollout_by_hand():
-  """grpo_think:runlocal (policy cache 1k, windows 64..1024; simulator 3k), thoughts dropped."""
-  lengths = step_calls.StatedLengths(turns=2, policy_tokens=32, reply_tokens=20, user_tokens=30,
-                                     simulator_tokens=40, policy_prompt=100, simulator_prompt=120,
-                                     instruction_tokens=30)
-  calls = step_calls.stated_calls(_spec(), lengths)
+  """grpo_think:runlocal (policy cache 1k, windows 64..1024; simulator 3k), thoughts dropped, the
+  'chat' flow: every simulator answer stays in its cache."""
+  lengths = _LENGTHS
+  calls = step_calls.stated_calls(_spec(simulator=dict(info_flow="chat")), lengths)
   assert calls == {
-      "policy/prefill/T256/W64": 1,       # 100 prompt tokens into an empty cache
-      "policy/decode_steps/W256": 64,     # 32 steps from 100 (window 132 -> 256), then from 151
-      "policy/append/T64/W128": 1,        # rewound to 100: reply 20 + <|im_end|> + user 30 = 51
+      **_POLICY_AND_COUNTS,
       "simulator/append/T128/W64": 1,     # its first prompt
       "simulator/decode_steps/W256": 80,  # the opening (120 -> 160), turn 1's emotion (210 -> 250)
       "simulator/append/T64/W256": 2,     # turn 1: reply + emotion instruction at 160, reply instr. at 250
       "simulator/decode_steps/W512": 80,  # turn 1's reply (280 -> 320), turn 2's emotion (370 -> 410)
       "simulator/append/T64/W512": 1,     # turn 2: reply + emotion instruction at 320
-      # Filled slots summed over decode steps (the floor's KV): 32 steps from 100 and from 151
-      # (32 x 100 + 528, 32 x 151 + 528); 40 steps from 120, 210, 280, 370 (40 x start + 820 each).
-      "policy/decode_slots": 3728 + 5360, "simulator/decode_slots": 5620 + 9220 + 12020 + 15620,
-      # 2 dialogues x 2 turns = 4 samples of <= 183 tokens -> length 192; 2 mini-batches of 2 rows.
-      "update/micro_batches": 2, "update/rows": 2, "update/length": 192, "forward/micro_batches": 2}
+      # 40 steps from 120, 210, 280, 370 (40 x start + 820 each).
+      "simulator/decode_slots": 5620 + 9220 + 12020 + 15620, "simulator/peak_slots": 410}
   with pytest.raises(ValueError, match="--turns=0: must be >= 1"):
     step_calls.StatedLengths(0, 1, 1, 1, 1, 1, 1, 1)
+
+
+def test_the_reference_flow_rewinds_each_answer_by_hand():
+  """'reference': after each answer the cache goes back to the transcript (the prompt, then per
+  turn the user's line and the quoted reply); the next request is appended there."""
+  calls = step_calls.stated_calls(_spec(simulator=dict(info_flow="reference")), _LENGTHS)
+  assert calls == {
+      **_POLICY_AND_COUNTS,
+      "simulator/append/T128/W64": 1,     # the first prompt, 120
+      # The opening 120 -> 160; rewound to 120, turn 1's line 30 + reply 20 + request 30 appended
+      # (T128 at 120), the emotion step 200 -> 240; rewound to 170, the reply request (T64 at 170),
+      # the reply 200 -> 240; rewound to 170, turn 2's 80 tokens (T128 at 170), 250 -> 290.
+      "simulator/append/T128/W128": 1, "simulator/append/T64/W256": 1,
+      "simulator/append/T128/W256": 1,
+      "simulator/decode_steps/W256": 120, "simulator/decode_steps/W512": 40,
+      "simulator/decode_slots": 5620 + 8820 + 8820 + 10820, "simulator/peak_slots": 290}
+  chat = step_calls.stated_calls(_spec(simulator=dict(info_flow="chat")), _LENGTHS)
+  assert calls["simulator/decode_slots"] < chat["simulator/decode_slots"]
 
 
 def test_stated_calls_follow_decode_segments_by_hand():
@@ -194,8 +278,11 @@ def test_stated_calls_follow_decode_segments_by_hand():
   # From 100: 16 steps reaching 116 (window 128), 16 reaching 132 (256); from 151: 167, 183 (256).
   assert calls["policy/decode_steps/W128"] == 16 and calls["policy/decode_steps/W256"] == 48
   assert whole["policy/decode_steps/W256"] == 64 and "policy/decode_steps/W128" not in whole
-  # Nothing else moves: the same filled slots (the floor), appends and simulator calls.
-  same = lambda c: {k: n for k, n in c.items() if not k.startswith("policy/decode_steps")}
+  # Two segments a turn: 4 host round trips, not 2. Nothing else moves: the same filled slots (the
+  # floor), appends and simulator calls.
+  assert calls["policy/decode_calls"] == 4 and whole["policy/decode_calls"] == 2
+  same = lambda c: {k: n for k, n in c.items() if not k.startswith(("policy/decode_steps",
+                                                                    "policy/decode_calls"))}
   assert same(calls) == same(whole)
 
 
@@ -211,7 +298,8 @@ def test_stated_calls_follow_continuous_batching_by_hand():
     assert step_calls.waves(spec) == waves
     calls = step_calls.stated_calls(spec, lengths)
     for key, n in lockstep.items():
-      assert calls[key] == (n if key.startswith(("update/", "forward/")) else waves * n), key
+      once = key.startswith(("update/", "forward/")) or key.endswith("/peak_slots")  # a row's most
+      assert calls[key] == (n if once else waves * n), key
   assert set(calls) == set(lockstep)
   # The layout word of the estimate's header.
   assert step_time_cli.layout_word(spec) == "continuous, 6 rows"
@@ -256,18 +344,32 @@ def test_cli_estimates_a_tiny_run_on_one_v5e_chip(tiny_run_config, tmp_path, cap
                                  "calls/policy/decode_steps/W256": 10.0,
                                  "calls/update/micro_batches": 2.0, "calls/update/rows": 2.0,
                                  "calls/update/length": 128.0, "calls/forward/micro_batches": 2.0}) + "\n")
-  with flagsaver.flagsaver(estimate_time=True, topology="v5e:1x1", calls_from=f"{metrics}:3"):
-    cli._run(tiny_run_config)
-  out = capsys.readouterr().out
+  cache = tmp_path / "costs"
+  runs = []
+  for _ in range(2):   # the second run reads every cost from the cache, compiling nothing
+    with flagsaver.flagsaver(estimate_time=True, topology="v5e:1x1", calls_from=f"{metrics}:3",
+                             cost_cache=str(cache)):
+      cli._run(tiny_run_config)
+    runs.append(capsys.readouterr().out)
+  out = runs[0]
   assert ("step time on v5e:1x1 (train 1x1x1, policy decode 1x1x1 (decode copy), simulator decode "
-          "1x1x1 (data x fsdp x tensor); cache rows policy 2, simulator 2, lockstep)") in out
+          "1x1x1 (data x fsdp x tensor); cache rows policy 2, simulator 2, lockstep; "
+          "simulator.info_flow 'reference')") in out
   # decode at 2 windows, the update, the log-prob pass, the reshard
-  assert "(step 3); 5 programs compiled" in out
+  assert f"(step 3); 5 programs costed; cost cache {cache}: 0 hits, 5 compiled" in out
+  assert f"(step 3); 5 programs costed; cost cache {cache}: 5 hits, 0 compiled" in runs[1]
+  assert len(list(cache.glob("*.json"))) == 5
+  same = lambda text: text.split("\n", 1)[1]   # all but the header
+  assert same(runs[0]) == same(runs[1])
   assert "| policy decode | 1x1x1 | 10 |" in out and "| simulator decode | 1x1x1 | 0 |" in out
   assert "| reshard | 1x1x1 -> 1x1x1 | 1 |" in out
   # A recorded step has no filled-slot counts: the floor takes the attended windows, and says so.
   assert "floor, policy decode: " in out and "(slots: attended windows, an upper bound)" in out
   assert "measured: rollout 0.50 s, update 0.25 s" in out and "TPU v5e at 197 TFLOP/s" in out
+  # The forecast beside the roofline, and what it assumed.
+  assert "roofline s (a bound)" in out and "| forecast s |" in out and "(a bound); forecast" in out
+  assert "| parse retries | 0.000 | in the recorded calls already |" in out
+  assert "memory time / 0.44" in out and "time to first step: 4 programs compiled x 20 s" in out
   # --rows is checked like config.rollout.rows (a group of 2 starts together).
   from rlver_jax.aot.topology import AotError
   with flagsaver.flagsaver(estimate_time=True, topology="v5e:1x1", rows=1):

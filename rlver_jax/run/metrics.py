@@ -110,8 +110,9 @@ class MetricsWriter:
     folder = self._set_aside_folder(f"after_step_{step}")
     if transcripts:
       (folder / "transcripts").mkdir(parents=True, exist_ok=True)
-      for path in transcripts:
-        path.rename(folder / "transcripts" / path.name)
+      for path in transcripts:  # copied, then removed: a gs:// "folder" cannot be renamed into
+        (folder / "transcripts" / path.name).write_bytes(path.read_bytes())
+        path.unlink()
     if later:  # copied before metrics.jsonl is rewritten: a kill in between loses nothing
       (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in later))
       replace_text(self.path, "".join(json.dumps(r) + "\n" for r in rows

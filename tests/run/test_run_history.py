@@ -103,3 +103,26 @@ def test_the_run_adds_the_step_its_checkpoints_still_hold():
       raise NotWritten("could not write the row of step 3 to M (No space left on device)")
     assert str(e.value) == (f"could not write the row of step 3 to M (No space left on device); "
                             f"{kept}; free space and run the same command to resume")
+
+
+def test_a_gcs_workdir_sets_its_history_aside_too(monkeypatch, caplog):
+  pytest.importorskip("gcp_storage_emulator")
+  pytest.importorskip("gcsfs")
+  import gcs_emulator
+  from rlver_jax.models.io import storage
+  with gcs_emulator.running("rlver-history") as url:
+    for k, v in gcs_emulator.env(url).items():
+      monkeypatch.setenv(k, v)
+    for k in gcs_emulator.DERIVED_ENV:
+      monkeypatch.delenv(k, raising=False)
+    storage.point_clients_at_emulator()
+    w = _history("gs://rlver-history/run", (1, 2))
+    with caplog.at_level(logging.WARNING):
+      w.drop_after(1)
+    names = gcs_emulator.names(gcs_emulator.client(url), "gs://rlver-history/run")
+    assert [r["step"] for r in w.history()] == [1]
+    moved = [n for n in names if n.startswith("set_aside/after_step_1-")]
+    assert sorted(n.rsplit("/", 1)[1] for n in moved) == ["metrics.jsonl", "step_000002.jsonl"], names
+    assert "transcripts/step_000002.jsonl" not in names
+    ours = [m for m in _warnings(caplog) if "moved them to" in m]  # gcsfs warns about the emulator
+    assert len(ours) == 1 and "gs://rlver-history/run/set_aside/after_step_1-" in ours[0], ours

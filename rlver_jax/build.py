@@ -7,7 +7,6 @@ file that exists) is checked here, with the same `config.KEY` messages.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 
 import jax
@@ -21,7 +20,8 @@ from rlver_jax.env.model_backend import ModelBackend
 from rlver_jax.env.profiles import DEMO_PROFILE_SETS, Profile, load_profiles
 from rlver_jax.models import load_pretrained
 from rlver_jax.models.io import hub
-from rlver_jax.models.presets import Qwen2Config, from_hf_config, param_dtype_of
+from rlver_jax.models.io.hf import read_config
+from rlver_jax.models.presets import Qwen2Config, param_dtype_of
 from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
 from rlver_jax.parallel.sharding import MeshConfig, make_mesh
 from rlver_jax.sampling.sampler import Sampler
@@ -118,8 +118,7 @@ def profiles_from(path: str) -> list[Profile]:
 
 def policy_config(policy: PolicySpec) -> Qwen2Config:
   """The policy checkpoint's model config (its config.json), without loading weights."""
-  path = epath.Path(resolve_checkpoint(policy.checkpoint, "policy.checkpoint")).joinpath("config.json")
-  return from_hf_config(json.loads(path.read_text()), str(path))
+  return read_config(resolve_checkpoint(policy.checkpoint, "policy.checkpoint"))
 
 
 def load_policy(policy: PolicySpec, mesh):
@@ -169,9 +168,7 @@ def policy_sampler(model, chat: ChatTokens, policy: PolicySpec, mesh) -> Sampler
 
 def simulator_config(sim: SimulatorSpec) -> Qwen2Config:
   """The co-located simulator's model config (its checkpoint's config.json), its context checked."""
-  path = resolve_checkpoint(sim.checkpoint, "simulator.checkpoint")
-  config_json = epath.Path(path).joinpath("config.json")
-  hf_config = from_hf_config(json.loads(config_json.read_text()), str(config_json))
+  hf_config = read_config(resolve_checkpoint(sim.checkpoint, "simulator.checkpoint"))
   check_context(hf_config.max_position_embeddings, sim.max_context, "config.simulator.max_context")
   return hf_config
 

@@ -19,7 +19,8 @@ from rlver_jax.models import export_pretrained
 from rlver_jax.models.io import hub, storage
 from rlver_jax.models.io import safetensors as st
 from rlver_jax.models.factory import abstract_model, state_shardings
-from rlver_jax.models.presets import from_hf_config, param_dtype_of
+from rlver_jax.models.io.hf import read_config
+from rlver_jax.models.presets import param_dtype_of
 from rlver_jax.parallel.sharding import MeshConfig, make_mesh
 from rlver_jax.run import checkpoint_integrity, library_noise
 from rlver_jax.run.checkpoint_errors import describe
@@ -89,7 +90,7 @@ def restore_policy(policy: PolicySpec, manager: ocp.CheckpointManager, step: int
   orbax reads only that part of the checkpoint straight into the target shardings.
   """
   path = build.resolve_checkpoint(policy.checkpoint, "policy.checkpoint")
-  model_config = from_hf_config(json.loads(storage.read_bytes(storage.join(path, "config.json"))))
+  model_config = read_config(path)
   p = policy
   graphdef, abstract = nnx.split(abstract_model(
       model_config, head="lm", param_dtype=param_dtype_of(p.param_dtype),

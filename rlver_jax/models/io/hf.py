@@ -108,6 +108,15 @@ def _layers_of(key: str, config: Qwen2Config) -> list[int | None]:
 # -- loading ------------------------------------------------------------------------------------------
 
 
+def read_config(path: str) -> Qwen2Config:
+  """The architecture of the HF checkpoint directory `path` (local or gs://), from its config.json:
+  the one reader of a checkpoint's config (errors name the file)."""
+  config_path = storage.join(str(path), CONFIG_FILE)
+  if not storage.exists(config_path):
+    raise FileNotFoundError(f"{config_path}: missing; not a Hugging Face checkpoint directory")
+  return from_hf_config(json.loads(storage.read_bytes(config_path)), source=config_path)
+
+
 def load_pretrained(path: str, dtype=jnp.bfloat16, mesh: Mesh | None = None, *,
                     rules: ShardingRules = DEFAULT_RULES, head: Head = "lm", param_dtype=None,
                     remat: RematPolicy = "none", int8_weights: bool = False) -> tuple[Qwen2, Qwen2Config]:
@@ -121,10 +130,7 @@ def load_pretrained(path: str, dtype=jnp.bfloat16, mesh: Mesh | None = None, *,
   path = str(path)
   if not storage.exists(path):
     raise FileNotFoundError(f"{path}: checkpoint directory does not exist")
-  config_path = storage.join(path, CONFIG_FILE)
-  if not storage.exists(config_path):
-    raise FileNotFoundError(f"{config_path}: missing; not a Hugging Face checkpoint directory")
-  config = from_hf_config(json.loads(storage.read_bytes(config_path)), source=config_path)
+  config = read_config(path)
   param_dtype = dtype if param_dtype is None else param_dtype
   table, listing = st.open_checkpoint(path)
   mappings = hf_mappings(config, head)

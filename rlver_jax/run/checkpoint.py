@@ -19,10 +19,12 @@ from etils import epath
 
 from rlver_jax.parallel.process_zero import on_process_zero
 from rlver_jax.run import checkpoint_integrity, library_noise
-from rlver_jax.run.checkpoint_errors import (CheckpointNotSaved, NoRestorableCheckpoint, describe,
-                                             is_storage_error, no_restorable_line, not_saved_line)
+from rlver_jax.run.checkpoint_errors import (CheckpointNotSaved, NoRestorableCheckpoint,
+                                             NonFiniteState, describe, is_storage_error,
+                                             no_restorable_line, not_saved_line)
 
-__all__ = ["Checkpointer", "CheckpointNotSaved", "NoRestorableCheckpoint", "abstract_like"]
+__all__ = ["Checkpointer", "CheckpointNotSaved", "NoRestorableCheckpoint", "NonFiniteState",
+           "abstract_like"]
 
 
 class Checkpointer:
@@ -57,7 +59,13 @@ class Checkpointer:
     if step in self.manager.all_steps():
       return
     # Before the save starts copying: the arrays are not donated until the next update.
-    meta = {**meta, checkpoint_integrity.CHECKSUMS: checkpoint_integrity.checksums(state)}
+    try:
+      sums = checkpoint_integrity.checksums(state)
+    except NonFiniteState as e:
+      saved = self.manager.latest_step()
+      raise NonFiniteState(f"step {step}: {e}; not saved, the last checkpoint holds "
+                           f"{'nothing yet' if saved is None else f'step {saved}'}") from None
+    meta = {**meta, checkpoint_integrity.CHECKSUMS: sums}
     self._in_flight = step
     try:
       self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),

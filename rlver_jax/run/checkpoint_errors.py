@@ -26,6 +26,10 @@ class DamagedCheckpoint(ValueError):
   """A restored array differs from what was saved, or holds NaN / inf; the message names it."""
 
 
+class NonFiniteState(ValueError):
+  """The state to save holds NaN / inf; nothing was saved."""
+
+
 class CheckpointNotSaved(OSError):
   """A checkpoint could not be written (disk full, storage error); the message is the whole report."""
 

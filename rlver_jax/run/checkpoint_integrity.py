@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rlver_jax.run.checkpoint_errors import DamagedCheckpoint
+from rlver_jax.run.checkpoint_errors import DamagedCheckpoint, NonFiniteState
 
 CHECKSUMS = "checksums"  # the key of the checkpoint's JSON item that holds them
 
@@ -90,8 +90,13 @@ def fingerprints(tree: Any) -> dict[str, tuple[int, int, bool]]:
 
 
 def checksums(tree: Any) -> dict[str, list[int]]:
-  """What a save stores under meta[CHECKSUMS]."""
-  return {name: [total, weighted] for name, (total, weighted, _) in fingerprints(tree).items()}
+  """What a save stores under meta[CHECKSUMS]; raises NonFiniteState naming the first array that
+  holds NaN / inf (a checkpoint of it would be refused at restore, and rotate good ones out)."""
+  table = fingerprints(tree)
+  for name, (_, _, finite) in table.items():
+    if not finite:
+      raise NonFiniteState(f"array {name} holds NaN or inf values")
+  return {name: [total, weighted] for name, (total, weighted, _) in table.items()}
 
 
 def verify(tree: Any, saved: dict[str, list[int]] | None) -> None:

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rlver_jax.run import checkpoint_integrity
-from rlver_jax.run.checkpoint import Checkpointer, NoRestorableCheckpoint
+from rlver_jax.run.checkpoint import Checkpointer, NoRestorableCheckpoint, NonFiniteState
 
 
 def _weights(step: int) -> np.ndarray:
@@ -86,15 +86,39 @@ def test_damaged_bytes_in_every_checkpoint_are_one_error_and_nothing_moves(tmp_p
   assert sorted(p.name for p in ckpts.iterdir()) == ["1", "2"]
 
 
+def _saved_around_the_checks(root: pathlib.Path, step: int, state, sums: dict | None) -> None:
+  """A checkpoint written by orbax directly, as an older version (or another tool) would have."""
+  import orbax.checkpoint as ocp
+  meta = {"step": step} if sums is None else {"step": step, "checksums": sums}
+  ckpt = Checkpointer(str(root), every_steps=1, keep=5)
+  ckpt.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                   meta=ocp.args.JsonSave(meta)))
+  ckpt.close()
+
+
 def test_nan_in_a_restored_optimizer_state_falls_back(tmp_path, caplog):
   """Its checksum matches (it was saved so): the finiteness check is what stops it."""
-  ckpts = _saved(tmp_path, {1: _state(1), 2: _state(2, nu_scale=float("nan"))})
+  ckpts = _saved(tmp_path, {1: _state(1)})
+  nan = _state(2, nu_scale=float("nan"))
+  _saved_around_the_checks(tmp_path, 2, nan, {name: [total, weighted] for name, (total, weighted, _)
+                                               in checkpoint_integrity.fingerprints(nan).items()})
   with caplog.at_level(logging.WARNING):
     state, meta = _restore(tmp_path)
   assert meta["step"] == 1 and np.isfinite(np.asarray(state["policy_opt"]["nu"])).all()
   assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
       f"checkpoint of step 2 does not restore (array policy_opt/nu holds NaN or inf values): moved to "
       f"{ckpts}/damaged/2; resuming from step 1"]
+
+
+def test_a_state_with_nan_is_not_saved(tmp_path):
+  ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=5)
+  ckpt.save(1, _state(1), {"step": 1})
+  with pytest.raises(NonFiniteState) as e:
+    ckpt.save(2, _state(2, nu_scale=float("inf")), {"step": 2})
+  ckpt.close()
+  assert str(e.value) == ("step 2: array policy_opt/nu holds NaN or inf values; not saved, the last "
+                          "checkpoint holds step 1")
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]
 
 
 def test_checksums_do_not_depend_on_the_sharding():
@@ -131,11 +155,7 @@ def test_each_word_and_its_place_count():
 
 def test_a_checkpoint_without_checksums_still_restores(tmp_path):
   """Checkpoints written before the checksums existed are only checked for NaN / inf."""
-  import orbax.checkpoint as ocp
-  ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=5)
-  ckpt.manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(_state(1)),
-                                                meta=ocp.args.JsonSave({"step": 1})))
-  ckpt.close()
+  _saved_around_the_checks(tmp_path, 1, _state(1), None)
   state, meta = _restore(tmp_path)
   assert meta == {"step": 1}
   np.testing.assert_array_equal(state["policy"]["w"], _weights(1))

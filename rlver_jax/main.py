@@ -17,21 +17,22 @@ import signal
 import sys
 
 
+from rlver_jax.run.outcomes import exit_status, outcome_of, signal_of, stopped_line  # no jax
+
+
 def _stopped_while_starting(signum, _frame):
-  what = "interrupted" if signum == signal.SIGINT else "preempted"
-  sys.stderr.write(f"{what} while starting; run the same command to resume\n")
+  sys.stderr.write(f"{outcome_of(signum)} while starting; run the same command to resume\n")
   sys.stderr.flush()
   # os._exit, not sys.exit: the handler runs inside whatever import is under way, and a SystemExit
   # raised there can be caught by it (a run went on training after this line). Nothing to save yet.
-  # preemption.exit_status's values (that module imports jax, which is what takes time here).
-  os._exit(128 + signal.SIGINT if signum == signal.SIGINT else 75)
+  os._exit(exit_status(signum))
 
 
 def _stopped_after_training(signum, _frame):
-  what = "interrupted" if signum == signal.SIGINT else "preempted"
-  sys.stderr.write(f"{what} while printing the summary; everything the run wrote is saved\n")
+  sys.stderr.write(f"{outcome_of(signum)} while printing the summary; everything the run wrote is "
+                   "saved\n")
   sys.stderr.flush()
-  os._exit(128 + signal.SIGINT if signum == signal.SIGINT else 75)
+  os._exit(exit_status(signum))
 
 
 if __name__ == "__main__":  # until the trainer's own handler takes over: nothing to save yet
@@ -49,7 +50,6 @@ from rlver_jax.parallel import distributed  # noqa: E402
 from rlver_jax.cli.errors import exit_on  # noqa: E402
 from rlver_jax.run.workdir import check_workdir, new_run_dir  # noqa: E402
 from rlver_jax.run.workdir_lock import LOCK_FILE, lock_workdir  # noqa: E402
-from rlver_jax.train.preemption import exit_status, preempted_line  # noqa: E402
 from rlver_jax.cli.flags import parse_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/grpo_think.py.",
@@ -120,9 +120,9 @@ def main(argv):
     for line in summary_lines(history, paths):
       print(f"  {line}")
   if outcome != "finished":  # a status of its own: a retry loop re-runs the command on 75
-    signum = signal.SIGINT if outcome == "interrupted" else signal.SIGTERM
+    signum = signal_of(outcome)
     if jax.process_index() == 0:
-      print(preempted_line(int(step), spec.total_steps, signum), file=sys.stderr, flush=True)
+      print(stopped_line(int(step), spec.total_steps, signum), file=sys.stderr, flush=True)
     sys.exit(exit_status(signum))
 
 

@@ -23,6 +23,7 @@ from rlver_jax.run.progress import Progress
 from rlver_jax.spec import RunSpec
 from rlver_jax.train.holdout import (eval_key, evaluate_holdout, evaluation_missing,
                                      is_evaluation_step, write_evaluation)
+from rlver_jax.run.outcomes import outcome_of
 from rlver_jax.train.preemption import PreemptionGuard, exit_stopped, save_and_exit
 from rlver_jax.train.step_warnings import step_warnings
 from rlver_jax.train.trainer import TooManySimulatorErrors, Trainer
@@ -186,7 +187,7 @@ def _evaluate(trainer: Trainer, guard: PreemptionGuard, progress: Progress) -> N
 
 
 def _stopped(guard: PreemptionGuard) -> str:
-  return "interrupted" if guard.signum == signal.SIGINT else "preempted"
+  return outcome_of(guard.signum)
 
 
 def _signal_name(guard: PreemptionGuard) -> str:

@@ -1,7 +1,7 @@
 """SIGTERM (a TPU preemption notice, ~30 s of grace) and Ctrl-C (SIGINT) as outcomes of their own:
-the last finished step is saved and the run exits with PREEMPTED_EXIT (75) or INTERRUPTED_EXIT
-(130), which a retry loop tells apart from success (0) and errors (1). A second Ctrl-C ends the
-process at once: a checkpoint being written then is left as orbax's tmp folder, never as a step.
+the last finished step is saved and the run exits with 75 or 130 (`run.outcomes`), which a retry
+loop tells apart from success (0) and errors (1). A second Ctrl-C ends the process at once: a
+checkpoint being written then is left as orbax's tmp folder, never as a step.
 
 Python runs a signal handler only when the main thread returns to the interpreter, which a long
 jitted decode or a first compile after a resume delays by minutes at 7B. So the handler's C part
@@ -20,21 +20,9 @@ from typing import Callable
 import jax
 
 from rlver_jax.run.checkpoint_errors import CheckpointNotSaved, describe
-
-# EX_TEMPFAIL (sysexits.h): "try again later", what a retry loop should do.
-PREEMPTED_EXIT = 75
-INTERRUPTED_EXIT = 128 + signal.SIGINT  # what a shell reports for a program ended by Ctrl-C
+from rlver_jax.run.outcomes import exit_status, stopped_line
 _STOP = 0  # a byte no signal number takes: tells the watcher to end
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-def exit_status(signum: int) -> int:
-  return INTERRUPTED_EXIT if signum == signal.SIGINT else PREEMPTED_EXIT
-
-
-def preempted_line(step: int, total: int, signum: int = signal.SIGTERM) -> str:
-  what = "interrupted" if signum == signal.SIGINT else "preempted"
-  return f"{what} at step {step} of {total}; run the same command to resume"
 
 
 def exit_at_once() -> None:
@@ -174,7 +162,7 @@ def save_and_exit(trainer, total: int, deadline_s: float, signum: int) -> None:
     with trainer.lock:
       if trainer.step == trainer.recorded_step:  # else the main thread is writing that step's row
         step = trainer.step
-        line = preempted_line(step, total, signum)
+        line = stopped_line(step, total, signum)
         if step > 0:  # step 0 is the pretrained start: nothing to keep
           line += _unsaved(trainer, step, deadline_s)
         exit_stopped(line, signum)  # holding the lock: nothing changes the state any more

@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import tiny_world
-from rlver_jax.train.preemption import PREEMPTED_EXIT
+from rlver_jax.run.outcomes import PREEMPTED_EXIT
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_S = 900  # per run; generous because the CPUs may be shared, still ends a hang

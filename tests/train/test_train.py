@@ -19,7 +19,7 @@ from rlver_jax.train import loop as train
 from rlver_jax.spec import RunSpec
 from rlver_jax.train import trainer as trainer_module
 from rlver_jax.run.checkpoint import Checkpointer
-from rlver_jax.train.preemption import PREEMPTED_EXIT
+from rlver_jax.run.outcomes import PREEMPTED_EXIT
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

@@ -27,19 +27,35 @@ __all__ = ["Checkpointer", "CheckpointNotSaved", "NoRestorableCheckpoint", "NonF
            "abstract_like"]
 
 
+def checkpoint_folder(workdir: str) -> epath.Path:
+  """WORKDIR/checkpoints, absolute (orbax needs it; a local workdir may be given relative)."""
+  root = workdir if "://" in workdir else os.path.abspath(workdir)
+  return epath.Path(root) / "checkpoints"
+
+
+def open_manager(workdir: str, *, keep: int | None = None) -> ocp.CheckpointManager:
+  """The one way a checkpoint folder is opened: the trainer's writer (`keep` checkpoints kept) or,
+  with `keep` None, a read-only reader that can restore part of the state item (the policy alone:
+  export, generate, evaluations of a workdir). Its items: "state" (arrays), "meta" (JSON)."""
+  directory = checkpoint_folder(workdir)
+  if keep is None:
+    # save_interval_steps=0: what read_only implies anyway (orbax warns when it has to set it).
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+    handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+  # cleanup_tmp_directories: a save killed mid-commit leaves a tmp folder that rotation never
+  # removes (a whole checkpoint's size, policy + critic + optimizer state).
+  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                         enable_async_checkpointing=True, cleanup_tmp_directories=True)
+  return ocp.CheckpointManager(directory, options=options, item_names=("state", "meta"))
+
+
 class Checkpointer:
   def __init__(self, workdir: str, *, every_steps: int, keep: int):
-    # orbax needs an absolute path; a local workdir may be given relative to the current folder.
-    root = workdir if "://" in workdir else os.path.abspath(workdir)
-    self.directory = epath.Path(root) / "checkpoints"
+    self.directory = checkpoint_folder(workdir)
     self.every_steps = every_steps
-    # cleanup_tmp_directories: a save killed mid-commit leaves a tmp folder that rotation never
-    # removes (a whole checkpoint's size, policy + critic + optimizer state).
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                           enable_async_checkpointing=True, cleanup_tmp_directories=True)
     with library_noise.reading_checkpoints():  # it reads each step's metadata, maybe damaged
-      self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                           item_names=("state", "meta"))
+      self.manager = open_manager(workdir, keep=keep)
     self._in_flight: int | None = None  # the step of an async save not yet known to have committed
     library_noise.demote_library_tracebacks()
 

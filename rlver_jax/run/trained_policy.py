@@ -23,6 +23,7 @@ from rlver_jax.models.io.hf import read_config
 from rlver_jax.models.presets import param_dtype_of
 from rlver_jax.parallel.sharding import MeshConfig, make_mesh
 from rlver_jax.run import checkpoint_integrity, library_noise
+from rlver_jax.run.checkpoint import open_manager
 from rlver_jax.run.checkpoint_errors import describe
 from rlver_jax.spec import PolicySpec, RunSpec
 
@@ -53,13 +54,10 @@ def _manager(workdir: str) -> ocp.CheckpointManager:
   directory = epath.Path(workdir) / "checkpoints"
   if not directory.exists():
     raise ExportError(f"no checkpoints under {directory}")
-  # save_interval_steps=0: what read_only implies anyway (orbax warns when it has to set it).
-  options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
   absl_logger = logging.getLogger("absl")  # orbax logs through absl
   absl_logger.addFilter(_no_read_only_note)
   try:
-    return ocp.CheckpointManager(directory, options=options, item_handlers={
-        "state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+    return open_manager(workdir)
   finally:
     absl_logger.removeFilter(_no_read_only_note)
 

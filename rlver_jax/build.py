@@ -1,4 +1,5 @@
-"""From a run spec to live components: mesh, models, samplers, simulator backend.
+"""From a run spec to live components: mesh, models, samplers, simulator backend, and `assemble`,
+the one path that puts a run's parts together (training and the Sentient evaluation).
 
 The settings come as the typed sections of `rlver_jax.spec` (checked there, before anything loads);
 what can only be checked against a loaded file (a checkpoint's trained context length, a profile
@@ -7,6 +8,7 @@ file that exists) is checked here, with the same `config.KEY` messages.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import jax
@@ -22,8 +24,11 @@ from rlver_jax.models import load_pretrained
 from rlver_jax.models.io import hub
 from rlver_jax.models.io.hf import read_config
 from rlver_jax.models.presets import Qwen2Config, param_dtype_of
+from rlver_jax.models.qwen2 import Qwen2
 from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
 from rlver_jax.parallel.sharding import MeshConfig, make_mesh
+from rlver_jax.rl.update import Updater, make_optimizer
+from rlver_jax.sampling.decode_copy import DecodeCopy
 from rlver_jax.sampling.sampler import Sampler
 from rlver_jax.sampling.strategies import SamplingParams
 from rlver_jax.spec import (ConfigError, CriticSpec, EvaluationSpec, PolicySpec, RunSpec,
@@ -211,3 +216,62 @@ def simulator_backend(sim: SimulatorSpec, mesh, *, seed: int, share_prefix: bool
                       sampling=SamplingParams.make(sim.temperature, sim.top_p, sim.top_k),
                       seed=seed + 1, share_prefix=share_prefix, stop_at_lines=sim.stop_at_lines,
                       rows=rows)
+
+
+@dataclasses.dataclass
+class RunParts:
+  """What a run is made of: the meshes, each model in its layout, the policy's sampler and the
+  simulator backend; for training also the policy's decode copy, the critic and the updaters (the
+  run's state, parameters and optimizer states, stays the Trainer's)."""
+  mesh: jax.sharding.Mesh | None  # the training layout's
+  layouts: dict[str, str]  # "train", "policy_rollout", "simulator" -> description (provenance.json)
+  policy: Qwen2
+  chat: ChatTokens
+  policy_path: str  # the checkpoint directory it loaded from
+  sampler: Sampler  # the policy's, in its rollout layout
+  backend: object  # the simulated user's text generator (env.backends)
+  decode_copy: DecodeCopy | None = None  # training: the policy in its rollout layout, refreshed
+  policy_up: Updater | None = None       # training
+  critic: Qwen2 | None = None            # training with a critic, and its updater
+  critic_up: Updater | None = None
+
+
+def assemble(spec: RunSpec | EvaluationSpec) -> RunParts:
+  """Loads every model of a run into its layout over the training mesh's devices. Training
+  (RunSpec): the policy and critic in config.mesh, the policy's decode copy in rollout.policy_mesh,
+  the updaters. An evaluation: nothing trains, so the policy loads straight into its decode layout."""
+  mesh = mesh_from(spec.mesh)
+  layouts = {"train": train_layout(spec.mesh, mesh)}
+  training = isinstance(spec, RunSpec)
+  with jax.set_mesh(mesh) if training else contextlib.nullcontext():
+    if training:
+      policy, chat, path = load_policy(spec.policy, mesh)
+      rollout_mesh, layouts["policy_rollout"] = decode_mesh(
+          spec.rollout.policy_mesh, "rollout.policy_mesh", policy.config, spec.mesh, mesh,
+          policy.dtype, "policy rollout")
+      decode_copy = DecodeCopy(nnx.state(policy, nnx.Param), rollout_mesh, policy.dtype)
+    else:
+      rollout_mesh, layouts["policy_rollout"] = decode_mesh(
+          spec.rollout.policy_mesh, "rollout.policy_mesh", policy_config(spec.policy), spec.mesh,
+          mesh, param_dtype_of(spec.policy.param_dtype), "policy rollout")
+      with jax.set_mesh(rollout_mesh):
+        policy, chat, path = load_policy(spec.policy, rollout_mesh)
+      decode_copy = None
+    sampler = policy_sampler(policy, chat, spec.policy, rollout_mesh)
+    sim_mesh, layouts["simulator"] = simulator_mesh(spec.simulator, spec.mesh, mesh)
+    if not training:
+      backend = simulator_backend(spec.simulator, sim_mesh, seed=spec.seed)
+      return RunParts(mesh=mesh, layouts=layouts, policy=policy, chat=chat, policy_path=path,
+                      sampler=sampler, backend=backend)
+    backend = simulator_backend(spec.simulator, sim_mesh, seed=spec.seed,
+                                share_prefix=spec.rl.share_prefix, rows=spec.rollout.rows)
+    loss_cfg = spec.loss_config()
+    policy_up = Updater(policy, make_optimizer(spec.optim.optim_config()), "policy", loss_cfg)
+    critic = critic_up = None
+    if spec.algorithm.has_critic:
+      critic = load_critic(spec.critic, spec.policy, mesh, path, seed=spec.seed)
+      critic_up = Updater(critic, make_optimizer(spec.optim.optim_config(critic=True)), "value",
+                          loss_cfg)
+  return RunParts(mesh=mesh, layouts=layouts, policy=policy, chat=chat, policy_path=path,
+                  sampler=sampler, backend=backend, decode_copy=decode_copy, policy_up=policy_up,
+                  critic=critic, critic_up=critic_up)

@@ -23,7 +23,6 @@ from rlver_jax.evaluation.scoring import check_no_simulator_errors, summarize
 from rlver_jax.env.profiles import Profile
 from rlver_jax.env.rollout import Dialogue, RolloutConfig, run_dialogues
 from rlver_jax.env.simulator import SimulatedUsers
-from rlver_jax.models.presets import param_dtype_of
 from rlver_jax.models.tokenizer import ChatTokens
 from rlver_jax.parallel.process_zero import on_process_zero
 from rlver_jax.run.progress import Progress
@@ -168,27 +167,18 @@ def run(spec: EvaluationSpec, workdir: str) -> tuple[dict, dict[str, str]]:
   rollout = spec.rollout_config()
   check_workdir(workdir)
   check_policy_checkpoint(spec.policy.checkpoint)
-  mesh = build.mesh_from(spec.mesh)
   check_inputs_on_every_host(build.input_paths(spec))
   profiles = select_profiles(build.profiles_from(spec.data.profiles), spec.eval.num_profiles,
                              spec.data.profiles)
   t0 = time.perf_counter()
-  # Nothing trains here: each model loads straight into its decode layout (spec/layouts.py).
-  layouts = {"train": build.train_layout(spec.mesh, mesh)}
-  policy_mesh, layouts["policy_rollout"] = build.decode_mesh(
-      spec.rollout.policy_mesh, "rollout.policy_mesh", build.policy_config(spec.policy), spec.mesh,
-      mesh, param_dtype_of(spec.policy.param_dtype), "policy rollout")
-  sim_mesh, layouts["simulator"] = build.simulator_mesh(spec.simulator, spec.mesh, mesh)
-  with jax.set_mesh(policy_mesh):
-    model, chat, path = build.load_policy(spec.policy, policy_mesh)
-  sampler = build.policy_sampler(model, chat, spec.policy, policy_mesh)
-  backend = build.simulator_backend(spec.simulator, sim_mesh, seed=spec.seed)
-  dialogues = run_profiles(profiles, backend, sampler=sampler, params=nnx.state(model, nnx.Param),
-                           chat=chat, rollout=rollout, users=spec.eval, simulator=spec.simulator,
+  parts = build.assemble(spec)  # nothing trains: the policy loads straight into its decode layout
+  dialogues = run_profiles(profiles, parts.backend, sampler=parts.sampler,
+                           params=nnx.state(parts.policy, nnx.Param), chat=parts.chat,
+                           rollout=rollout, users=spec.eval, simulator=spec.simulator,
                            rng=jax.random.key(spec.seed),
                            progress=spec.log.progress_bar and jax.process_index() == 0)
   summary = eval_summary(dialogues)
-  summary.update(policy_checkpoint=path, eval_seconds=time.perf_counter() - t0,
+  summary.update(policy_checkpoint=parts.policy_path, eval_seconds=time.perf_counter() - t0,
                  config=json.loads(config_json(spec.source)),
-                 provenance={**provenance.describe(spec), "layouts": layouts})
+                 provenance={**provenance.describe(spec), "layouts": parts.layouts})
   return summary, write_outputs(workdir, dialogues, summary, spec.source)

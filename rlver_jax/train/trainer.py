@@ -38,15 +38,14 @@ from rlver_jax.run.wandb_writer import WandbOptions
 from rlver_jax.spec import RunSpec
 from rlver_jax.train.dynamic_sampling import Round, StepRollout, fill_informative
 from rlver_jax.train.call_metrics import take_sampler_calls, update_calls
-from rlver_jax.train.parts import RunParts, assemble
 
 
 class Trainer:
   """Holds the models, optimizers, samplers and the run's state; `run` drives the loop."""
 
-  def __init__(self, spec: RunSpec, workdir: str, parts: RunParts | None = None):
+  def __init__(self, spec: RunSpec, workdir: str, parts: build.RunParts | None = None):
     """Checks what needs the workdir and the inputs (shared workdir, files on every host, the saved
-    config), then assembles the run's parts (`train.parts`; or takes `parts` already assembled for
+    config), then assembles the run's parts (`build.assemble`; or takes `parts` already assembled for
     this spec); config.json is written only once all of that worked."""
     self.spec = spec
     self.algorithm = spec.algorithm
@@ -62,7 +61,7 @@ class Trainer:
                               f"profiles out of {len(profiles)}")
     self.profile_sampler = ProfileSampler(self.train_profiles, seed=spec.seed,
                                           sampling=spec.data.sampling)
-    self.parts = parts if parts is not None else assemble(spec)
+    self.parts = parts if parts is not None else build.assemble(spec)
     p = self.parts
     self.mesh, self.layouts = p.mesh, p.layouts
     self.policy, self.chat, self.policy_path = p.policy, p.chat, p.policy_path

@@ -1,4 +1,4 @@
-"""A run's parts are assembled in one place (`train.parts.assemble`) and the Trainer receives them:
+"""A run's parts are assembled in one place (`build.assemble`) and the Trainer receives them:
 given parts, it loads nothing more and trains exactly as a Trainer that assembles its own."""
 import jax
 import numpy as np
@@ -7,7 +7,6 @@ import pytest
 import tiny_world
 from rlver_jax import build
 from rlver_jax.spec import RunSpec
-from rlver_jax.train.parts import assemble
 from rlver_jax.train.trainer import Trainer
 
 
@@ -20,7 +19,7 @@ def test_a_trainer_given_parts_loads_nothing_and_steps_like_one_that_assembles(
     world, tmp_path, monkeypatch):
   spec = RunSpec.from_config(tiny_world.training_config(world, "ppo", total_steps=1))
   own = Trainer(spec, str(tmp_path / "own"))
-  parts = assemble(spec)
+  parts = build.assemble(spec)
   assert parts.critic is not None and set(parts.layouts) == {"train", "policy_rollout", "simulator"}
 
   monkeypatch.setattr(build, "load_pretrained",

@@ -155,3 +155,24 @@ def _chi_square_vs(counts, expected):
   if counts[expected == 0].sum():
     return 0.0
   return _chi_square(counts, expected).pvalue
+
+
+def test_each_row_follows_its_own_key(models):
+  """With one key per row (the rollout's per-dialogue streams) a row's tokens, proposals and
+  acceptances depend on its own key and text alone: the rows in another order give the same rows."""
+  target, draft = models
+  make = lambda m: Sampler(m, max_len=16, stop_ids=[9], pad_id=0, append_buckets=(8,), min_window=16)
+  spec = SpeculativeSampler(make(target), make(draft), K)
+  params, draft_params = nnx.state(target), nnx.state(draft)
+  prompts = [[3, 7, 2], [5], [1, 1, 4, 8], [12, 6], [2, 2, 2, 15, 3]]
+  keys = jax.random.split(jax.random.key(4), len(prompts))
+  order = [3, 0, 4, 2, 1]
+  out = []
+  for rows in (list(range(len(prompts))), order):
+    caches, logits = spec.prefill(params, draft_params, spec.init_caches(len(rows)),
+                                  [prompts[r] for r in rows])
+    res = spec.decode(params, draft_params, caches, logits, rng=keys[np.asarray(rows)],
+                      max_new_tokens=10, sampling=SamplingParams.make(1.0))
+    out.append({r: (res.decode.row(i), int(res.accepted[i])) for i, r in enumerate(rows)})
+  assert out[0] == out[1]
+  assert 0 < sum(a for _, a in out[0].values()) and len({len(t) for t, _ in out[0].values()}) > 1

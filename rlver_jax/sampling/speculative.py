@@ -168,8 +168,8 @@ def _spec_decode_fn(t_graphdef, t_params, cache: KVCache, logits_BxV, d_graphdef
     n, y = verify(p, qs, xs, key_verify)
     col = jnp.arange(k + 1)[None, :]
     z = jnp.where(col < n[:, None], jnp.pad(xs, ((0, 0), (0, 1))), y[:, None])  # x_0..x_{n-1}, y
-    s2, emitted = _emit(s, z, n + 1, pick(p, z), pick(jax.nn.log_softmax(logits_all, axis=-1), z),
-                        stop_ids, budget_B, tables)
+    raw_logp = pick(logits_all, z) - jax.nn.logsumexp(logits_all, axis=-1)  # no [B, k+1, V] copy
+    s2, emitted = _emit(s, z, n + 1, pick(p, z), raw_logp, stop_ids, budget_B, tables)
     kept = jnp.minimum(emitted, n)               # proposals emitted (now cached after pending)
     y_out = go & (emitted == n + 1)              # y emitted: the next pending token
     all_x = kept == k

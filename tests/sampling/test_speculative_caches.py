@@ -1,6 +1,7 @@
 """Draft-and-verify decode's caches: after rejections both hold exactly the kept text (an uncached
 forward of it gives the same logits); new prompts, settings, budgets and stop sequences compile
-nothing after warm-up; an int8 target cache under a float draft decodes as the plain int8 sampler."""
+nothing after warm-up; a shared prefix copied to both; an int8 target cache under a float draft
+decodes as the plain int8 sampler."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,14 +87,16 @@ def test_no_recompiles_after_warmup(target, drafts):
   assert counter.count == 0
 
 
-def test_int8_target_cache_with_a_draft(target, drafts):
+def test_int8_target_cache_with_a_one_token_draft(target, drafts):
   """An int8 target cache (a frozen simulator's) under a float draft: the plain int8 decode's
-  greedy tokens, with proposals both kept and rejected."""
+  greedy tokens, with proposals both kept and rejected. One draft token per pass (k = 1: the draft
+  then never caches a proposal of its own before the verify) in the program this test compiles anyway."""
   params, draft_params = nnx.state(target), nnx.state(drafts["noisy"])
   plain = _sampler(target, cache_dtype=jnp.int8)
   want = _plain(plain, params, _rules(), None)
-  spec = SpeculativeSampler(_sampler(target, cache_dtype=jnp.int8), _sampler(drafts["noisy"]), K)
+  spec = SpeculativeSampler(_sampler(target, cache_dtype=jnp.int8), _sampler(drafts["noisy"]), 1)
   got = _speculative(spec, params, draft_params, _rules(), None)
   assert got.decode.cache.int8 and not got.draft_cache.int8
   assert 0 < got.accepted.sum() < got.proposed.sum()
   _assert_same_decode(got.decode, want)
+  np.testing.assert_array_equal(np.asarray(got.draft_cache.lengths), np.asarray(want.cache.lengths))

@@ -97,8 +97,9 @@ class Checkpointer:
       raise FileNotFoundError(f"no checkpoint under {self.directory}")
     out = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-    checkpoint_integrity.verify(out["state"], out["meta"].get(checkpoint_integrity.CHECKSUMS))
-    return out["state"], out["meta"]
+    meta = dict(out["meta"])
+    checkpoint_integrity.verify(out["state"], meta.pop(checkpoint_integrity.CHECKSUMS, None))
+    return out["state"], meta  # the caller's meta, as it was saved
 
   def restore_newest_good(self, abstract_state: Any) -> tuple[Any, dict] | None:
     """The newest checkpoint that restores completely (None when there is none at all).

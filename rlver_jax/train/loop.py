@@ -26,7 +26,7 @@ from rlver_jax.train.holdout import (eval_key, evaluate_holdout, evaluation_miss
 from rlver_jax.run.outcomes import outcome_of
 from rlver_jax.train.preemption import PreemptionGuard, exit_stopped, save_and_exit
 from rlver_jax.train.step_warnings import step_warnings
-from rlver_jax.train.trainer import TooManySimulatorErrors, Trainer
+from rlver_jax.train.trainer import StepResult, TooManySimulatorErrors, Trainer
 
 
 class TrainingDiverged(RuntimeError):
@@ -43,15 +43,15 @@ def check_finite_update(step: int, metrics: dict[str, float], last_saved: int | 
                              f"stopped without saving it, the last checkpoint holds {saved}")
 
 
-def warn_about_step(trainer: Trainer, step: int) -> list[str]:
+def warn_about_step(spec: RunSpec, step: int, dialogues: list) -> list[str]:
   """Logs (and returns) the warnings for a step that teaches nothing (`step_warnings`)."""
-  dialogues = [d for d in trainer._last_dialogues if d.termination != SIMULATOR_ERROR]  # not trained
-  sim = trainer.spec.simulator
-  alg = trainer.algorithm
+  dialogues = [d for d in dialogues if d.termination != SIMULATOR_ERROR]  # not trained
+  sim = spec.simulator
+  alg = spec.algorithm
   # With turn credit a GRPO group can teach although its final rewards tie (different paths).
   credit = alg.grouped and alg.turn_credit != "none"
   lines = step_warnings(step, rewards=[d.reward for d in dialogues],
-                        groups=trainer.algorithm.warning_groups([d.group_id for d in dialogues]),
+                        groups=alg.warning_groups([d.group_id for d in dialogues]),
                         parsed=[d.parsed for d in dialogues],
                         user_lines=sum(len(d.user_lines) for d in dialogues),
                         silent_replies=sum(d.silent_replies for d in dialogues),
@@ -116,23 +116,23 @@ def _train(trainer: Trainer, guard: PreemptionGuard) -> dict[str, str]:
   # finally: an error mid-run still completes the checkpoint saves already started (they are async).
   try:
     try:
-      if evaluation_missing(trainer):
+      if evaluation_missing(spec, trainer.step, trainer.writer):
         # The step was saved, then its evaluation was cut short (a crash or SIGTERM): redo it.
         activity = f"the evaluation of step {trainer.step}"
         _evaluate(trainer, guard, progress)
       while trainer.step < spec.total_steps:
         activity = f"the rollout of step {trainer.step + 1}"
         # Polled between turns too: a rollout takes minutes and a preemption notice ~30 s.
-        metrics = trainer.train_step(should_stop=guard.agreed)
-        if _record_step(trainer, guard, metrics):
+        result = trainer.train_step(should_stop=guard.agreed)
+        if _record_step(trainer, guard, result):
           logging.warning("%s: saved step %d, exiting", _signal_name(guard), trainer.step)
           stopped = True
           break
-        if is_evaluation_step(trainer, trainer.step):
+        if is_evaluation_step(spec, trainer.step):
           # Minutes long: a preemption notice (~30 s of grace) must not wait for its end.
           activity = f"the evaluation after step {trainer.step}"
           _evaluate(trainer, guard, progress)
-        progress.update(1, step_fields(metrics))
+        progress.update(1, step_fields(result.metrics))
     except (RolloutInterrupted, TooManySimulatorErrors) as e:
       with trainer.lock:
         if trainer.step > 0:  # the last finished step is kept (a no-op if it was just saved)
@@ -148,16 +148,16 @@ def _train(trainer: Trainer, guard: PreemptionGuard) -> dict[str, str]:
   return _outputs(trainer, _stopped(guard) if stopped else "finished")
 
 
-def _record_step(trainer: Trainer, guard: PreemptionGuard, metrics: dict[str, float]) -> bool:
+def _record_step(trainer: Trainer, guard: PreemptionGuard, result: StepResult) -> bool:
   """Writes the finished step's metrics (and transcripts), saves it when due or on a stop signal;
   returns whether a stop signal asks the run to stop."""
   step, every = trainer.step, trainer.spec.log.transcripts_every
   with trainer.lock, _saying_what_is_kept(trainer):
-    trainer.writer.write(step, metrics)
-    check_finite_update(step, metrics, trainer.checkpointer.latest_step())
-    warn_about_step(trainer, step)
+    trainer.writer.write(step, result.metrics)
+    check_finite_update(step, result.metrics, trainer.checkpointer.latest_step())
+    warn_about_step(trainer.spec, step, result.dialogues)
     if every and step % every == 0:
-      trainer.writer.write_transcripts(step, [d.transcript() for d in trainer._last_dialogues])
+      trainer.writer.write_transcripts(step, [d.transcript() for d in result.dialogues])
     trainer.recorded_step = step
     preempted = guard.agreed()
     # Saved before the held-out evaluation: an evaluation that fails (e.g. its simulator server
@@ -181,9 +181,10 @@ def _saying_what_is_kept(trainer: Trainer):
 
 
 def _evaluate(trainer: Trainer, guard: PreemptionGuard, progress: Progress) -> None:
-  scores, dialogues = evaluate_holdout(trainer, eval_key(trainer.spec.seed), guard.agreed)
+  scores, dialogues = evaluate_holdout(trainer.spec, trainer.parts, trainer.rollout_params,
+                                      trainer.holdout, eval_key(trainer.spec.seed), guard.agreed)
   with trainer.lock:
-    _say(progress, write_evaluation(trainer, trainer.step, scores, dialogues))
+    _say(progress, write_evaluation(trainer.writer, trainer.step, scores, dialogues))
 
 
 def _stopped(guard: PreemptionGuard) -> str:

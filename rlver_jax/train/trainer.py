@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,12 @@ from rlver_jax.run.wandb_writer import WandbOptions
 from rlver_jax.spec import RunSpec
 from rlver_jax.train.dynamic_sampling import Round, StepRollout, fill_informative
 from rlver_jax.train.call_metrics import take_sampler_calls, update_calls
+
+
+class StepResult(NamedTuple):
+  """What a training step made: its metrics row and its dialogues (every round's, trained or not)."""
+  metrics: dict[str, float]
+  dialogues: list[Dialogue]
 
 
 class Trainer:
@@ -274,9 +280,10 @@ class Trainer:
     return fill_informative(first, another, self.algorithm.informative_groups,
                             groups=rl.profiles_per_step, max_rounds=rl.dynamic_sampling_max_rounds)
 
-  def train_step(self, should_stop=None) -> dict[str, float]:
-    """One rollout + update. `should_stop` is polled between rollout turns; if it fires, the step is
-    abandoned before anything changed (RolloutInterrupted) and the state is still the last step's."""
+  def train_step(self, should_stop=None) -> StepResult:
+    """One rollout + update: the step's metrics and dialogues. `should_stop` is polled between
+    rollout turns; if it fires, the step is abandoned before anything changed (RolloutInterrupted)
+    and the state is still the last step's."""
     rng = jax.random.fold_in(jax.random.wrap_key_data(self.state["rng"]), self.step)
     t0 = time.perf_counter()
     before = self.profile_sampler.state_dict()
@@ -301,8 +308,6 @@ class Trainer:
         self._sampler_after_step = self.profile_sampler.state_dict()
     t2 = time.perf_counter()
     dialogues, stats = rolled.dialogues, rolled.stats
-    self._last_dialogues = dialogues
-    self._last_stats = stats
     # The first round's (the only one without dynamic sampling): rewards of its trained dialogues,
     # every termination's share.
     out = summarize_rollout(rolled.first.trained)
@@ -324,7 +329,7 @@ class Trainer:
       out["simulator_prefill_tokens"] = float(stats.simulator_prefill_tokens)
     if stats.simulator_cut_answers is not None:
       out["simulator/cut_answers"] = float(stats.simulator_cut_answers)
-    return out
+    return StepResult(out, dialogues)
 
 
 def wandb_options(spec: RunSpec) -> WandbOptions | None:

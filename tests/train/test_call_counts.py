@@ -61,7 +61,7 @@ def test_logged_calls_equal_the_programs_run(world, tmp_path):
 
   trainer.policy_up._step = spy_step
   trainer.sampler.calls.append_chunk("append", 16, 999)  # e.g. a held-out evaluation's, before the step
-  metrics = trainer.train_step()
+  metrics = trainer.train_step().metrics
   assert "calls/policy/append/T16/W999" not in metrics
   for role in ("policy", "simulator"):
     assert sum(v for k, v in seen[role].items() if k.startswith("decode_steps/")) > 0

@@ -63,7 +63,7 @@ def test_the_decode_copy_follows_every_update_and_a_resume(world, tmp_path, poli
       if not str(path[-1]).endswith("norm"))  # bf16; the norms are replicated in both layouts
   first = _check_copy(trainer)
   for _ in range(2):
-    metrics = trainer.train_step()
+    metrics = trainer.train_step().metrics
     copy = _check_copy(trainer)
     assert metrics["reshard/bytes"] == moved and np.isfinite(metrics["time/reshard"])
   assert any(not np.array_equal(first[p], copy[p]) for p in copy)  # the updates did move it

@@ -159,7 +159,7 @@ def test_trainer_and_holdout_pass_their_rules(monkeypatch):
                                                                                           False)
   assert list(kw["groups"]) == [0, 0, 0, 0, 1, 1, 1, 1]  # two profiles x group_size 4
   with pytest.raises(_Stop) as holdout:
-    holdout_module.evaluate_holdout(trainer, jax.random.key(0))
+    holdout_module.evaluate_holdout(trainer.spec, trainer, None, trainer.holdout, jax.random.key(0))
   kw = holdout.value.args[0]
   assert (kw["max_turns"], kw["end_below"], kw["start_emotion"]) == (9, 10, 40)
   assert kw["info_flow"] == "sage"  # eval.info_flow, not training's simulator.info_flow
@@ -173,14 +173,14 @@ def test_trainer_and_holdout_pass_their_rules(monkeypatch):
   assert kw["groups"] is None
   assert (kw["clamp_change"], kw["change_mode"], kw["style"]) == (False, "expected", "challenging")
   with pytest.raises(_Stop) as holdout:  # config.eval's change rules, training's style
-    holdout_module.evaluate_holdout(trainer, jax.random.key(0))
+    holdout_module.evaluate_holdout(trainer.spec, trainer, None, trainer.holdout, jax.random.key(0))
   kw = holdout.value.args[0]
   assert (kw["clamp_change"], kw["change_mode"], kw["style"]) == (True, "sampled", "challenging")
   assert (kw["change_range"], kw["goodbye_match"]) == (10, "clause")
   # :reference: SAGE's rules in the held-out evaluation while training reads the change unclamped.
   trainer.spec = RunSpec.from_config(_config("grpo_think", "reference"))
   with pytest.raises(_Stop) as holdout:
-    holdout_module.evaluate_holdout(trainer, jax.random.key(0))
+    holdout_module.evaluate_holdout(trainer.spec, trainer, None, trainer.holdout, jax.random.key(0))
   kw = holdout.value.args[0]
   assert trainer.spec.simulator.clamp_change is False
   assert (kw["clamp_change"], kw["change_range"], kw["goodbye_match"]) == (True, 0, "substring")

@@ -29,7 +29,7 @@ def test_a_trainer_given_parts_loads_nothing_and_steps_like_one_that_assembles(
   assert given.sampler is parts.sampler and given.backend is parts.backend
   assert given.layouts == own.layouts
 
-  m_own, m_given = own.train_step(), given.train_step()
+  m_own, m_given = own.train_step().metrics, given.train_step().metrics
   assert m_given["reward_mean"] == m_own["reward_mean"]
   for key in ("policy", "critic"):
     for a, b in zip(jax.tree.leaves(own.state[key]), jax.tree.leaves(given.state[key])):

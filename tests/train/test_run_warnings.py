@@ -62,11 +62,10 @@ def test_the_loop_asks_turn_credit_for_the_signal():
                                  user_lines=["a"] * len(emotions), silent_replies=0)
 
   def warnings(credit):
-    trainer = types.SimpleNamespace(
-        _last_dialogues=[dialogue([30, 40, 35]), dialogue([30, 25, 35])],
-        spec=types.SimpleNamespace(simulator=types.SimpleNamespace(backend="model", max_new_tokens=40)),
+    spec = types.SimpleNamespace(
+        simulator=types.SimpleNamespace(backend="model", max_new_tokens=40),
         algorithm=GRPO(turn_credit=credit))
-    return warn_about_step(trainer, 3)
+    return warn_about_step(spec, 3, [dialogue([30, 40, 35]), dialogue([30, 25, 35])])
 
   assert warnings("turn_index") == []  # the same final 35, reached two ways
   assert "same within" in warnings("none")[0]

@@ -159,7 +159,7 @@ def test_padding_only_mini_batches_take_no_optimizer_step(world, tmp_path):
   config = _config(world, "ppo", total_steps=1, **{"rl.profiles_per_step": 2, "rl.micro_batch_size": 2,
                                                      "rl.mini_batches": 2, "rl.mini_batch_rows": 0})
   trainer = tiny_world.trainer(config, str(tmp_path))
-  metrics = trainer.train_step()
+  metrics = trainer.train_step().metrics
   assert metrics["samples"] == 2
   assert _update_counts(trainer.state["policy_opt"]) == {1}
   assert _update_counts(trainer.state["critic_opt"]) == {1}

@@ -4,8 +4,10 @@ times the step's calls (`aot.step_calls`: recorded by the trainer, or from state
 Per call (per device: an SPMD program's cost is one partition's): seconds = max(flops / peak FLOP/s,
 bytes accessed / memory bandwidth), the chip's nominal peaks (`aot.chips`). The collectives (ICI) are
 priced apart, as link time = their bytes / link bandwidth + their ring steps x the per-hop latency
-(`aot.collectives`): the "with link time" figures take the larger of that and the roofline. Host work
-between calls (token parsing, the simulator's text) and dispatch are not in it.
+(`aot.collectives`): the "with link time" figures take the larger of that and the roofline. The
+forecast (`Cost.forecast`, `aot.forecast`) prices each call at achievable shares of the peaks plus
+the link time of its exposed collectives; host work between calls is priced there, not here.
+Compiled costs are kept on disk by the program's fingerprint (`aot.cost_cache`).
 
 XLA's cost analysis counts a loop body once. So the programs are traced with their loops unrolled
 (layer scans, query-block and logits-chunk maps, the top-p bisection: `unrolled_loops`) at 3 and 4

@@ -3,7 +3,7 @@ r"""Train a policy with RLVER.
   python -m rlver_jax.main --config=configs/grpo_think.py[:runlocal] [--workdir=DIR]
 
 Re-running the same command resumes from WORKDIR/checkpoints. Config values are overridden with
---config.KEY=VALUE (see configs/base.py for every key).
+--config.KEY=VALUE (every key and its default: rlver_jax/spec/).
 
 Exit status: 0 finished; 75 preempted (SIGTERM: the last finished step was saved, run the same
 command to resume); 130 interrupted (Ctrl-C: the same, and a second Ctrl-C exits at once, keeping
@@ -16,8 +16,7 @@ import os
 import signal
 import sys
 
-
-from rlver_jax.run.outcomes import exit_status, outcome_of, signal_of, stopped_line  # no jax
+from rlver_jax.run.outcomes import exit_status, outcome_of  # no jax import
 
 
 def _stopped_while_starting(signum, _frame):
@@ -48,7 +47,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from rlver_jax.parallel import distributed  # noqa: E402
 from rlver_jax.cli.errors import exit_on  # noqa: E402
-from rlver_jax.run.workdir import check_workdir, new_run_dir  # noqa: E402
+from rlver_jax.run.workdir import check_workdir, new_run_dir, remove_if_unused  # noqa: E402
 from rlver_jax.run.workdir_lock import LOCK_FILE, lock_workdir  # noqa: E402
 from rlver_jax.cli.flags import parse_flags  # noqa: E402
 
@@ -69,25 +68,12 @@ def _default_workdir() -> str:
     raise app.UsageError(str(e)) from None
 
 
-def _remove_if_empty(path: str) -> None:
-  """A default workdir made for a run that failed before writing anything is not left behind."""
-  try:
-    from rlver_jax.run.compile_cache import FOLDER
-    cache = os.path.join(path, FOLDER)
-    if os.path.isdir(cache) and not os.listdir(cache):  # made by JAX at a first compile
-      os.rmdir(cache)
-    if os.listdir(path) == [LOCK_FILE]:  # ours: the run holds it until it exits
-      os.remove(os.path.join(path, LOCK_FILE))
-    os.rmdir(path)
-  except OSError:  # not empty (or already gone): keep what the run wrote
-    pass
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   distributed.initialize()
   from rlver_jax.train import loop  # after distributed init: imports may touch devices
+  from rlver_jax.train.summary import print_run_end
   from rlver_jax.spec import RunSpec
   from rlver_jax.env.backends import SimulatorBackendError
   from rlver_jax.parallel.process_zero import ProcessZeroError, on_process_zero
@@ -109,21 +95,9 @@ def main(argv):
   # host), or a diverged update: one line, non-zero exit (--verbosity=1 logs the traceback).
   except (ValueError, OSError, SimulatorBackendError, ProcessZeroError, loop.TrainingDiverged) as e:
     if not _WORKDIR.value:
-      _remove_if_empty(workdir)
+      remove_if_unused(workdir, LOCK_FILE)
     exit_on(e)
-  step, outcome = paths.pop("step"), paths.pop("outcome")
-  from rlver_jax.run.metrics import MetricsWriter
-  from rlver_jax.train.summary import summary_lines
-  history = MetricsWriter(workdir, tensorboard=False).history()  # on every host: its set-up is collective
-  if jax.process_index() == 0:  # one summary per run, not one per host
-    print(f"\nrun {outcome} at step {step}; outputs under {workdir}:")
-    for line in summary_lines(history, paths):
-      print(f"  {line}")
-  if outcome != "finished":  # a status of its own: a retry loop re-runs the command on 75
-    signum = signal_of(outcome)
-    if jax.process_index() == 0:
-      print(stopped_line(int(step), spec.total_steps, signum), file=sys.stderr, flush=True)
-    sys.exit(exit_status(signum))
+  sys.exit(print_run_end(workdir, spec, paths))
 
 
 if __name__ == "__main__":

@@ -98,3 +98,19 @@ def refuse_training_workdir(path: str, setting: str) -> None:
 
 def _reason(e: OSError) -> str:
   return e.strerror or str(e) or type(e).__name__
+
+
+def remove_if_unused(path: str, lock_file: str) -> None:
+  """A default workdir made for a run that failed before writing anything is not left behind: its
+  empty compile-cache folder (JAX makes it at a first compile) and our lock file go, then the
+  folder if nothing else is in it."""
+  from rlver_jax.run.compile_cache import FOLDER
+  try:
+    cache = os.path.join(path, FOLDER)
+    if os.path.isdir(cache) and not os.listdir(cache):
+      os.rmdir(cache)
+    if os.listdir(path) == [lock_file]:  # ours: the run holds it until it exits
+      os.remove(os.path.join(path, lock_file))
+    os.rmdir(path)
+  except OSError:  # not empty (or already gone): keep what the run wrote
+    pass

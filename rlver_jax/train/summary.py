@@ -75,3 +75,27 @@ def summary_lines(history: list[dict], paths: dict[str, str | None]) -> list[str
   if _exists(paths.get("checkpoints"), "*"):
     out.append(f"checkpoints:  {paths['checkpoints']}")
   return out + (late_excerpt(paths["transcripts"]) if paths.get("transcripts") else [])
+
+
+def print_run_end(workdir: str, spec, paths: dict) -> int:
+  """Prints how the run ended and where its outputs are (process 0), and the stop line of a run a
+  signal stopped; returns the exit status (`run.outcomes`)."""
+  import sys
+
+  import jax
+
+  from rlver_jax.run.metrics import MetricsWriter
+  from rlver_jax.run.outcomes import FINISHED, exit_status, signal_of, stopped_line
+  paths = dict(paths)
+  step, outcome = paths.pop("step"), paths.pop("outcome")
+  history = MetricsWriter(workdir, tensorboard=False).history()  # on every host: its set-up is collective
+  if jax.process_index() == 0:  # one summary per run, not one per host
+    print(f"\nrun {outcome} at step {step}; outputs under {workdir}:")
+    for line in summary_lines(history, paths):
+      print(f"  {line}")
+  if outcome == FINISHED:
+    return 0
+  signum = signal_of(outcome)  # a status of its own: a retry loop re-runs the command on 75
+  if jax.process_index() == 0:
+    print(stopped_line(int(step), spec.total_steps, signum), file=sys.stderr, flush=True)
+  return exit_status(signum)

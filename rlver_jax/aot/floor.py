@@ -97,9 +97,9 @@ def format_floors(floors: list[Floor], decode_seconds: dict[str, tuple[float, fl
     roof, linked = decode_seconds[f.role]
     note = " (slots: attended windows, an upper bound)" if f.from_windows else ""
     lines.append(
-        f"floor, {f.role} decode: {f.seconds:.3f} s = ({f.steps:,.0f} steps x "
+        f"floor, {f.role} decode: {f.seconds:.3f} s (a bound) = ({f.steps:,.0f} steps x "
         f"{f.weight_bytes / 1e9:.2f} GB weights + {f.kv_bytes / 1e9:,.1f} GB filled KV{note}) over "
-        f"{devices} chips' HBM; estimate / floor = {roof / f.seconds:.2f} (roofline), "
+        f"{devices} chips' HBM; roofline / floor = {roof / f.seconds:.2f}, "
         f"{linked / f.seconds:.2f} (with link time)")
     s = (splits or {}).get(f.role)
     if s and chip:

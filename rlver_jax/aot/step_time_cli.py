@@ -130,7 +130,7 @@ def run_estimate(spec: aot_target.Target, topology: str) -> str:
   extra = forecast.extras(spec, calls, phases, layouts, a, recorded=_CALLS_FROM.value is not None)
   rows = ", ".join(f"{r} {model.rows(r)}" for r in ("policy", "simulator"))
   table = forecast.format_estimate(phases, chip, measured, header=(
-      f"step time on {topology} ({layouts.describe()}; cache rows {rows}, {layout_word(spec)}; "
+      f"step-time model on {topology} ({layouts.describe()}; cache rows {rows}, {layout_word(spec)}; "
       f"simulator.info_flow {spec.simulator.info_flow!r}), {source}; {model.compiles} programs "
       f"costed{'; ' + cache.describe() if cache else ''}"),
       layouts=forecast.phase_layouts(layouts), extra=extra, a=a,

@@ -123,6 +123,7 @@ def test_a_compiled_all_gather_over_4_of_8_cpu_devices_counts_by_hand():
   assert " all-gather(" in text and "device_ids=" in text   # the form that used to count 0
   assert cost.link_bytes == _GATHERED
   assert (cost.link_ops, cost.link_hops) == (1, 3)  # one all-gather, 3 ring steps
+  assert (cost.exposed_bytes, cost.exposed_ops) == (_GATHERED, 1)   # synchronous: nothing overlaps
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
@@ -132,3 +133,4 @@ def test_a_compiled_all_gather_over_4_of_8_tpu_chips_counts_by_hand():
   assert " all-gather(" in text
   assert cost.link_bytes == _GATHERED
   assert (cost.link_ops, cost.link_hops) == (1, 3)  # one all-gather, 3 ring steps
+  assert (cost.exposed_bytes, cost.exposed_ops) == (_GATHERED, 1)   # synchronous: nothing overlaps

@@ -352,7 +352,7 @@ def test_cli_estimates_a_tiny_run_on_one_v5e_chip(tiny_run_config, tmp_path, cap
       cli._run(tiny_run_config)
     runs.append(capsys.readouterr().out)
   out = runs[0]
-  assert ("step time on v5e:1x1 (train 1x1x1, policy decode 1x1x1 (decode copy), simulator decode "
+  assert ("step-time model on v5e:1x1 (train 1x1x1, policy decode 1x1x1 (decode copy), simulator decode "
           "1x1x1 (data x fsdp x tensor); cache rows policy 2, simulator 2, lockstep; "
           "simulator.info_flow 'reference')") in out
   # decode at 2 windows, the update, the log-prob pass, the reshard

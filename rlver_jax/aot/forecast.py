@@ -87,11 +87,12 @@ def extras(spec: RunSpec, calls: dict[str, float], phases: dict[str, PhaseTime],
         "round of the simulator decode")))
   segments = calls.get("policy/decode_calls", 0.0) + calls.get("simulator/decode_calls", 0.0)
   texts = calls.get("host/text_round_trips", 0.0)
-  if not texts:  # a recorded step: every policy turn and simulator answer of a full dialogue
-    texts = 2 * spec.simulator.max_turns
+  note = ""
+  if not texts:  # a recorded step does not count them: a full dialogue's turns and answers
+    texts, note = 2 * spec.simulator.max_turns, " (2 x simulator.max_turns)"
   out.append(Extra("host round trips", segments * a.segment_round_trip_s + texts * a.text_round_trip_s,
                    f"{segments:.0f} decode segments x {a.segment_round_trip_s * 1e3:g} ms + "
-                   f"{texts:.0f} text round trips x {a.text_round_trip_s * 1e3:g} ms"))
+                   f"{texts:.0f} text round trips{note} x {a.text_round_trip_s * 1e3:g} ms"))
   every = spec.checkpoint.every_steps
   if every:
     saved = state_bytes(spec, layouts)

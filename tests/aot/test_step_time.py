@@ -375,3 +375,27 @@ def test_cli_estimates_a_tiny_run_on_one_v5e_chip(tiny_run_config, tmp_path, cap
   with flagsaver.flagsaver(estimate_time=True, topology="v5e:1x1", rows=1):
     with pytest.raises(AotError, match=r"config.rollout.rows=1: must be 0 \(lockstep\) or in"):
       cli._run(tiny_run_config)
+
+
+def test_costs_outside_the_programs_by_hand():
+  """grpo_think:runlocal (2 dialogues, the 7B policy, a save every 2 steps, no evaluation) on the 8
+  fake CPU devices, the counts of `_POLICY_AND_COUNTS` and a 10 s simulator decode forecast."""
+  from rlver_jax.aot.report import run_layouts
+  spec = _spec()
+  layouts = run_layouts(spec, jax.devices())
+  sim = PhaseTime()
+  sim.forecast = 10.0
+  a = forecast.Assumptions(parse_failure_rate=0.1)
+  out = {e.name: e for e in forecast.extras(spec, _POLICY_AND_COUNTS, {"simulator decode": sim},
+                                            layouts, a, recorded=False)}
+  assert set(out) == {"parse retries", "host round trips", "checkpoint save"}
+  assert out["parse retries"].seconds == pytest.approx((1 - 0.9 ** 2) * 10.0)   # 2 rows a round
+  assert out["host round trips"].seconds == pytest.approx(6 * 0.010 + 6 * 0.100)
+  # fp32 params + Adam's two moments of the 7B's 7,615,616,512 weights, 12 bytes each, off 8
+  # chips at 5 GB/s, every 2 steps.
+  saved = 12 * 7_615_616_512
+  assert forecast.state_bytes(spec, layouts) == pytest.approx(saved, rel=1e-6)
+  assert out["checkpoint save"].seconds == pytest.approx(saved / (8 * 5e9) / 2, rel=1e-6)
+  recorded = {e.name: e for e in forecast.extras(spec, {}, {}, layouts, a, recorded=True)}
+  assert recorded["parse retries"].seconds == 0.0
+  assert "4 text round trips (2 x simulator.max_turns)" in recorded["host round trips"].how

@@ -2,7 +2,7 @@
 emitted token ~ p, the acceptance rate sum(min(p, q))), and the whole draft-and-verify decode on a
 16-token vocabulary, whose first three generated tokens follow the target's own temperature / top-p /
 top-k distribution (chi-square against probabilities computed in float64 numpy from uncached
-forwards), while the draft's differs from it measurably."""
+forwards), while the draft's own distribution is rejected by the same counts."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +16,7 @@ from rlver_jax.sampling.draft_rule import draw, verify
 from rlver_jax.sampling.sampler import Sampler
 from rlver_jax.sampling.speculative import SpeculativeSampler
 from rlver_jax.sampling.strategies import SamplingParams
+from test_speculative import _noisy
 
 V, K, ROWS = 16, 2, 4000
 PROMPT = [3, 7, 2]
@@ -64,7 +65,7 @@ def test_rule_emits_the_target_distribution():
   later = n >= 1  # the second emitted token exists where x_0 was kept
   _, p_second = _chi_square(np.bincount(second[later], minlength=6), p[1] * later.sum())
   assert p_first > 1e-3 and p_second > 1e-3, (p_first, p_second)
-  accept = np.minimum(p[0], q[0]).sum()  # 0.4
+  accept = np.minimum(p[0], q[0]).sum()  # 0.3
   assert abs(later.mean() - accept) < 4 * np.sqrt(accept * (1 - accept) / n_draws), later.mean()
 
 
@@ -81,12 +82,12 @@ def test_rule_with_one_hot_distributions_is_greedy():
 
 @pytest.fixture(scope="module")
 def models():
-  target = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+  """The target and a draft that agrees with it about half the time (measured 0.56-0.59 here), so
+  kept runs, rejections and bonus tokens all occur often."""
+  config = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
-  draft = Qwen2Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
-                      num_kv_heads=1, head_dim=8, tie_word_embeddings=True)
-  return (create_model(target, dtype=jnp.float32, seed=0, init_std=0.2),
-          create_model(draft, dtype=jnp.float32, seed=1, init_std=0.2))
+  target = create_model(config, dtype=jnp.float32, seed=0, init_std=0.2)
+  return target, _noisy(target, 0.03)
 
 
 def _reference(logits, temperature, top_p, top_k):
@@ -135,7 +136,7 @@ def test_decode_samples_the_targets_distribution(models, settings):
   tokens = res.decode.tokens
   assert (res.decode.num_tokens == 3).all()
   acceptance = res.metrics()["draft_acceptance"]
-  assert 0.2 < acceptance < 0.9, acceptance  # both kept and rejected proposals count here
+  assert 0.3 < acceptance < 0.85, acceptance  # both kept and rejected proposals count here
 
   joint, third = _marginals(target, settings)
   pairs = np.bincount(tokens[:, 0] * V + tokens[:, 1], minlength=V * V)
@@ -146,8 +147,9 @@ def test_decode_samples_the_targets_distribution(models, settings):
   print({name: (round(float(r.statistic), 1), round(float(r.pvalue), 3)) for name, r in results.items()})
   assert all(r.pvalue > 1e-3 for r in results.values()), results
   # The same counts reject the draft's own distribution: the test can tell the two apart.
-  draft_joint, _ = _marginals(draft, settings)
+  draft_joint, draft_third = _marginals(draft, settings)
   assert _chi_square_vs(pairs, draft_joint.ravel() * ROWS) < 1e-6
+  assert _chi_square_vs(np.bincount(tokens[:, 2], minlength=V), draft_third * ROWS) < 1e-6
 
 
 def _chi_square_vs(counts, expected):

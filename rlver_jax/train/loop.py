@@ -26,7 +26,7 @@ from rlver_jax.train.holdout import (eval_key, evaluate_holdout, evaluation_miss
 from rlver_jax.run.outcomes import outcome_of
 from rlver_jax.train.preemption import PreemptionGuard, exit_stopped, save_and_exit
 from rlver_jax.train.step_warnings import step_warnings
-from rlver_jax.train.trainer import StepResult, TooManySimulatorErrors, Trainer
+from rlver_jax.train.trainer import StepResult, TooManySimulatorErrors, Trainer, start_trainer
 
 
 class TrainingDiverged(RuntimeError):
@@ -96,7 +96,7 @@ def run(spec: RunSpec, workdir: str, *, ctrl_c: bool = False) -> dict[str, str]:
         exit_stopped(f"{_stopped(guard)} while starting, before step 1 of {total} could run; run the "
                      "same command to resume", guard.signum))
   with guard:
-    trainer = Trainer(spec, workdir)
+    trainer = start_trainer(spec, workdir)
     if spec.simulator.backend == "scripted":  # else the first rollout fails, naming no file
       check_scripted_labels([*trainer.train_profiles, *trainer.holdout])
     trainer.restore_if_any()

@@ -29,11 +29,10 @@ from rlver_jax.rl.pack import Packed, pack_step
 from rlver_jax.rl.prepare import batch_metrics, kl_penalised_rewards, reference_kl
 from rlver_jax.rl.rollout_correction import mismatch_metrics
 from rlver_jax.rl.update import token_logprobs_and_entropy, token_values
-from rlver_jax.run import provenance
+from rlver_jax.run import start
 from rlver_jax.run.checkpoint import Checkpointer, abstract_like
 from rlver_jax.run.metrics import MetricsWriter
-from rlver_jax.run.saved_config import (check_inputs_on_every_host, check_shared_workdir,
-                                        check_workdir_config, config_json, write_workdir_config)
+from rlver_jax.run.saved_config import config_json
 from rlver_jax.run.wandb_writer import WandbOptions
 from rlver_jax.spec import RunSpec
 from rlver_jax.train.dynamic_sampling import Round, StepRollout, fill_informative
@@ -46,29 +45,35 @@ class StepResult(NamedTuple):
   dialogues: list[Dialogue]
 
 
-class Trainer:
-  """Holds the models, optimizers, samplers and the run's state; `run` drives the loop."""
+def start_trainer(spec: RunSpec, workdir: str, parts: build.RunParts | None = None) -> "Trainer":
+  """A run's start: the workdir's checks before anything loads (`run.start`), the profiles, the
+  run's parts (`build.assemble`, or `parts` already assembled for this spec), the Trainer, and only
+  then config.json and provenance.json."""
+  start.check_before_loading(spec, workdir, build.input_paths(spec))
+  profiles = build.profiles_from(spec.data.profiles)
+  recorded = start.provenance_of(spec, workdir, profiles)
+  trainer = Trainer(spec, parts if parts is not None else build.assemble(spec), profiles, workdir)
+  start.record_start(spec, workdir, recorded, trainer.layouts)
+  return trainer
 
-  def __init__(self, spec: RunSpec, workdir: str, parts: build.RunParts | None = None):
-    """Checks what needs the workdir and the inputs (shared workdir, files on every host, the saved
-    config), then assembles the run's parts (`build.assemble`; or takes `parts` already assembled for
-    this spec); config.json is written only once all of that worked."""
+
+class Trainer:
+  """Trains: holds the run's parts, its state (parameters, optimizer states, the step) and its
+  checkpoint and metrics writers; `train.loop` drives the steps."""
+
+  def __init__(self, spec: RunSpec, parts: build.RunParts, profiles: list, workdir: str):
+    """`profiles` split into training and held-out ones; the state initialised from the parts'
+    models; checkpoints and metrics under `workdir` (checked beforehand: `start_trainer`)."""
     self.spec = spec
     self.algorithm = spec.algorithm
     self.workdir = workdir
-    check_shared_workdir(workdir)
-    check_inputs_on_every_host(build.input_paths(spec))
-    check_workdir_config(spec.source, workdir)
-    profiles = build.profiles_from(spec.data.profiles)
-    start = provenance.check(spec, workdir, profiles)
     self.train_profiles, self.holdout = split_holdout(profiles, spec.data.num_holdout, spec.seed)
     if not self.train_profiles:
       raise build.ConfigError(f"config.data.num_holdout={spec.data.num_holdout} leaves no training "
                               f"profiles out of {len(profiles)}")
     self.profile_sampler = ProfileSampler(self.train_profiles, seed=spec.seed,
                                           sampling=spec.data.sampling)
-    self.parts = parts if parts is not None else build.assemble(spec)
-    p = self.parts
+    self.parts = p = parts
     self.mesh, self.layouts = p.mesh, p.layouts
     self.policy, self.chat, self.policy_path = p.policy, p.chat, p.policy_path
     self.decode_copy, self.sampler, self.backend = p.decode_copy, p.sampler, p.backend
@@ -90,8 +95,6 @@ class Trainer:
     self.writer = MetricsWriter(workdir, wandb=wandb_options(spec))
     self._logp_fn = jax.jit(self._old_logp)
     self._value_fn = jax.jit(self._old_values)
-    write_workdir_config(spec.source, workdir)  # only now: every input above was found and loaded
-    provenance.append(workdir, {**start, "layouts": self.layouts})
 
   def _init_state(self) -> None:
     """The trained parameters and their optimizer states (the critic's if there is one), and a

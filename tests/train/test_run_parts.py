@@ -7,7 +7,7 @@ import pytest
 import tiny_world
 from rlver_jax import build
 from rlver_jax.spec import RunSpec
-from rlver_jax.train.trainer import Trainer
+from rlver_jax.train.trainer import start_trainer
 
 
 @pytest.fixture(scope="module")
@@ -18,13 +18,13 @@ def world(tmp_path_factory):
 def test_a_trainer_given_parts_loads_nothing_and_steps_like_one_that_assembles(
     world, tmp_path, monkeypatch):
   spec = RunSpec.from_config(tiny_world.training_config(world, "ppo", total_steps=1))
-  own = Trainer(spec, str(tmp_path / "own"))
+  own = start_trainer(spec, str(tmp_path / "own"))
   parts = build.assemble(spec)
   assert parts.critic is not None and set(parts.layouts) == {"train", "policy_rollout", "simulator"}
 
   monkeypatch.setattr(build, "load_pretrained",
                       lambda *a, **k: pytest.fail("the Trainer loaded a model it was given"))
-  given = Trainer(spec, str(tmp_path / "given"), parts)
+  given = start_trainer(spec, str(tmp_path / "given"), parts)
   assert given.policy is parts.policy and given.critic is parts.critic
   assert given.sampler is parts.sampler and given.backend is parts.backend
   assert given.layouts == own.layouts

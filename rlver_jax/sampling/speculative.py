@@ -24,7 +24,8 @@ settings, keys, budgets and stop tables traced. Metrics: `draft_acceptance` = ke
 tokens, `tokens_per_verify` = generated tokens / target passes per row (a plain decode's is 1.0).
 
 What a later integration needs: a draft `Sampler` on the simulator's vocabulary (checked here),
-prefill/append/copy_rows through this class so both caches hold the same tokens, and the two
+prefill/append/copy_rows/with_lengths (rewinds, a lent row's reset) through this class so both caches
+hold the same tokens, and the two
 metrics logged as `simulator/draft_acceptance` and `simulator/tokens_per_verify`. Not supported yet:
 decode segments (`Sampler.decode_segment`: one call attends the window of its whole budget), and
 `CallCounts` has no verify-pass entry for the step-time model.
@@ -253,6 +254,11 @@ class SpeculativeSampler:
     draft_cache, _ = self.draft.copy_rows(caches[1], self.draft.empty_logits(caches[1].batch_size),
                                           sources)
     return (cache, draft_cache), logits
+
+  @staticmethod
+  def with_lengths(caches, lengths):
+    """Both caches rewound (or reset) to `lengths` [B], as `KVCache.with_lengths` does to one."""
+    return tuple(c.with_lengths(lengths) for c in caches)
 
   def decode(self, params, draft_params, caches, logits, *, rng: jax.Array, max_new_tokens: int,
              sampling: SamplingParams | None = None, active: Sequence[bool] | None = None,

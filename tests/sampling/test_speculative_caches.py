@@ -1,6 +1,6 @@
 """Draft-and-verify decode's caches: after rejections both hold exactly the kept text (an uncached
 forward of it gives the same logits); new prompts, settings, budgets and stop sequences compile
-nothing after warm-up; a shared prefix copied to both; an int8 target cache under a float draft
+nothing after warm-up; a shared prefix copied to both, and both rewound; an int8 target cache under a float draft
 decodes as the plain int8 sampler."""
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,23 @@ def test_caches_after_rejections_equal_an_uncached_forward(target, drafts):
     np.testing.assert_allclose(np.asarray(res.decode.logits[b]), full[b, n - 1], atol=1e-4)
     np.testing.assert_allclose(np.asarray(logits[b]), full[b, n], atol=1e-4)
     np.testing.assert_allclose(np.asarray(draft_logits[b]), draft_full[b, n], atol=1e-4)
+
+
+def test_rewound_caches_decode_as_freshly_prefilled(target, drafts):
+  """Both caches set back to the prompts after a sampled decode with rejections (a dialogue's
+  rewind) give the greedy decode of freshly prefilled prompts: nothing past a length is read."""
+  params, draft_params = nnx.state(target), nnx.state(drafts["noisy"])
+  spec = SpeculativeSampler(_sampler(target), _sampler(drafts["noisy"]), K)
+  want = _speculative(spec, params, draft_params, _rules(), None)
+  res = _speculative(spec, params, draft_params, _rules(), None,
+                     sampling=SamplingParams.make(temperature=1.0), key=5)
+  assert res.accepted.sum() < res.proposed.sum()
+  # The prompts' last token again: the logits after it come back with it.
+  caches = spec.with_lengths((res.decode.cache, res.draft_cache), [len(p) - 1 for p in PROMPTS])
+  caches, logits = spec.append(params, draft_params, caches, [p[-1:] for p in PROMPTS])
+  got = spec.decode(params, draft_params, caches, logits, rng=jax.random.key(0),
+                    max_new_tokens=MAX_NEW, sampling=GREEDY, stop_rules=_rules())
+  _assert_same_decode(got.decode, want.decode)
 
 
 def _full_logits(model, texts, width=64):

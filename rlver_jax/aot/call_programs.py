@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from rlver_jax.aot import programs as ap
 from rlver_jax.aot import target as aot_target
-from rlver_jax.aot.target import ModelShape
+from rlver_jax.spec.forward import ModelShape
 from rlver_jax.rl.batch import UpdateBatch
 from rlver_jax.rl.update import token_logprobs_and_entropy
 from rlver_jax.sampling.strategies import SamplingParams

@@ -16,7 +16,8 @@ import jax
 from jax.sharding import Mesh
 
 from rlver_jax.aot import programs as ap
-from rlver_jax.aot.target import ModelShape, Target
+from rlver_jax.aot.target import Target
+from rlver_jax.spec.forward import ModelShape
 from rlver_jax.models.presets import param_dtype_of
 from rlver_jax.parallel.sharding import MeshConfig, make_mesh
 from rlver_jax.spec import RunSpec

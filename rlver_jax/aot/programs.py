@@ -25,7 +25,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rlver_jax.aot.target import ForwardSpec, ModelShape, Target
+from rlver_jax.aot.target import Target
+from rlver_jax.spec.forward import ForwardSpec, ModelShape
 from rlver_jax.spec import RunSpec
 from rlver_jax.models.factory import abstract_model, state_shardings
 from rlver_jax.models.presets import Qwen2Config, get_preset, param_dtype_of

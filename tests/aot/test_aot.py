@@ -25,6 +25,7 @@ from rlver_jax.aot.programs import model_config  # noqa: E402
 from rlver_jax.models import presets  # noqa: E402
 from rlver_jax.parallel.sharding import MeshConfig, make_mesh  # noqa: E402
 from rlver_jax.sampling.kv_cache import KVCache, default_layout  # noqa: E402
+from rlver_jax.spec.forward import ModelShape  # noqa: E402
 
 _REPO = pathlib.Path(__file__).resolve().parents[2]
 _TPU_ENV = {k: os.environ.get(k) for k in
@@ -285,9 +286,9 @@ def test_run_programs_and_update_shapes():
 
 
 def test_preset_with_a_layer_count():
-  c = model_config(aot_target.ModelShape("qwen2.5-0.5b:2"))
+  c = model_config(ModelShape("qwen2.5-0.5b:2"))
   assert c.num_layers == 2 and c.hidden_size == presets.PRESETS["qwen2.5-0.5b"].hidden_size
-  assert model_config(aot_target.ModelShape("qwen2.5-0.5b", num_layers=3)).num_layers == 3
+  assert model_config(ModelShape("qwen2.5-0.5b", num_layers=3)).num_layers == 3
 
 
 def test_programs_filter_rejects_unknown_names():

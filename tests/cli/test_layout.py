@@ -72,3 +72,20 @@ def test_architecture_layout_names_every_module():
              for p in sorted((PACKAGE / folder).glob("*.py"))
              if p.stem not in ("__init__", "__main__") and not re.search(rf"\b{p.stem}\b", block)]
   assert not missing, f"docs/ARCHITECTURE.md's Layout block does not name {missing}"
+
+
+def test_only_the_entry_points_read_a_config_dict():
+  # Below the command lines every setting is typed (rlver_jax/spec/): nothing else imports
+  # ml_collections. The entry points and cli/ parse --config into a ConfigDict and hand its data on.
+  entry = {"main.py", "evaluate.py", "evaluate_general.py", "generate.py", "export.py"}
+  readers = []
+  for path in sorted(PACKAGE.rglob("*.py")):
+    rel = path.relative_to(PACKAGE)
+    if str(rel) in entry or rel.parts[0] == "cli" or rel == pathlib.Path("aot/cli.py"):
+      continue
+    names = {n.module if isinstance(n, ast.ImportFrom) else a.name
+             for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))
+             for a in (n.names if isinstance(n, ast.Import) else [None])}
+    if any(name and name.split(".")[0] == "ml_collections" for name in names):
+      readers.append(str(rel))
+  assert not readers, f"modules below the entry points import ml_collections: {readers}"

@@ -1,7 +1,8 @@
 """Shipped training configs of both algorithms and modes, in their `:runlocal` form, run one step
 end to end on the embedded SmolLM2 (policy and co-located simulator), writing metrics, a
-checkpoint, transcripts and a reward plot. The runs share one process on one CPU device (as `make demo` runs), so programs compiled
-for the first are reused by the others; 8 fake devices would hold 8 copies of everything."""
+checkpoint, transcripts and a reward plot. The runs share one process on one CPU device (as `make
+demo` runs), so programs compiled for the first are reused by the others; 8 fake devices would
+hold 8 copies of everything."""
 import json
 import os
 import pathlib

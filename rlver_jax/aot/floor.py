@@ -19,7 +19,7 @@ from flax import nnx
 
 from rlver_jax.aot import programs as ap
 from rlver_jax.aot.chips import ChipSpec
-from rlver_jax.aot.target import ModelShape
+from rlver_jax.spec.forward import ModelShape
 from rlver_jax.spec import RunSpec
 
 

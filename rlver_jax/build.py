@@ -201,6 +201,9 @@ def simulator_backend(sim: SimulatorSpec, mesh, *, seed: int, share_prefix: bool
         temperature=sim.temperature, top_p=sim.top_p, max_tokens=sim.max_new_tokens,
         timeout_s=sim.http_timeout_s, deadline_s=sim.http_deadline_s,
         max_attempts=sim.http_max_attempts, max_concurrency=sim.http_max_concurrency)
+  if sim.draft_checkpoint:
+    raise ConfigError(f"config.simulator.draft_checkpoint={sim.draft_checkpoint!r}: speculative "
+                      "decoding is not yet supported in runs (leave it '')")
   path = resolve_checkpoint(sim.checkpoint, "simulator.checkpoint")
   simulator_config(sim)  # checked before the weights load
   # Born sharded on its own mesh, where it stays: loading and decoding run under it.

@@ -146,7 +146,8 @@ def _input_checkpoints(spec: RunSpec) -> dict[str, str]:
   """config key -> directory of each checkpoint the run reads (base policy, critic, simulator);
   Hub ids left out: their snapshots live in the Hugging Face cache, not at a path one exports to."""
   paths = {"policy.checkpoint": spec.policy.checkpoint, "critic.checkpoint": spec.critic.checkpoint,
-           "simulator.checkpoint": spec.simulator.checkpoint}
+           "simulator.checkpoint": spec.simulator.checkpoint,
+           "simulator.draft_checkpoint": spec.simulator.draft_checkpoint}
   return {key: build.checkpoint_dir(path) for key, path in paths.items()
           if path and not hub.is_hub_id(path)}
 

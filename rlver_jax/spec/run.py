@@ -118,6 +118,8 @@ def _checkpoints(policy: PolicySpec, simulator: SimulatorSpec, critic: str = "")
     out["critic.checkpoint"] = critic
   if simulator.backend == "model":
     out["simulator.checkpoint"] = simulator.checkpoint
+    if simulator.draft_checkpoint:
+      out["simulator.draft_checkpoint"] = simulator.draft_checkpoint
   return out
 
 

@@ -228,10 +228,18 @@ class SimulatorSpec:
   # (rlver_jax/spec/layouts.py): 'auto' (tensor parallel over heads, data over cache rows),
   # 'train' (config.mesh) or 'DATAxFSDPxTENSOR' such as '4x1x8'.
   mesh: str = "auto"
+  # Speculative decoding (model backend; sampling/speculative.py): a small model of the same
+  # vocabulary proposes draft_tokens tokens per row and the simulator keeps its longest valid
+  # prefix in one pass, so answers follow the simulator's own distribution (greedy: its own tokens).
+  # '' = off; else a checkpoint like simulator.checkpoint (HF directory, gs:// path, Hub id).
+  draft_checkpoint: str = ""
+  draft_tokens: int = 4  # proposals per verify pass (k)
+  draft_mesh: str = "auto"  # the draft's decode layout on the same devices, as simulator.mesh
 
   def __post_init__(self):
     self._check_reference_rules()
     check_layout("simulator.mesh", self.mesh)
+    self._check_draft()
     require("simulator.stop_at_lines", self.stop_at_lines, isinstance(self.stop_at_lines, bool),
             "True or False")
     require("simulator.backend", self.backend, self.backend in SIMULATOR_BACKENDS,
@@ -267,6 +275,22 @@ class SimulatorSpec:
       # OpenAI-style chat APIs take temperature and top_p only.
       require("simulator.top_k", self.top_k, self.top_k == 0,
               "0 with simulator.backend='http' (the chat API has no top_k)")
+
+  def _check_draft(self) -> None:
+    d = self.draft_checkpoint
+    require("simulator.draft_checkpoint", d, isinstance(d, str),
+            "a string ('' = off; a checkpoint like simulator.checkpoint)")
+    require("simulator.draft_tokens", self.draft_tokens,
+            _is_int(self.draft_tokens) and self.draft_tokens >= 1, "an integer >= 1")
+    check_layout("simulator.draft_mesh", self.draft_mesh)
+    if not d:
+      return
+    require("simulator.draft_checkpoint", d, self.backend == "model",
+            f"'' with simulator.backend={self.backend!r} (a draft serves the co-located model only)")
+    # One speculative call attends the window of its whole budget; segments are not supported.
+    require("simulator.draft_checkpoint", d, self.decode_segment == 0,
+            f"'' with simulator.decode_segment={self.decode_segment} (speculative decoding runs "
+            "one call per turn: set simulator.decode_segment=0)")
 
   def _check_reference_rules(self) -> None:
     r = self.state_change_range

@@ -5,10 +5,11 @@ Shape legend for packed batches: N samples (rows), M micro-batches, B rows per m
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,7 @@ from rlver_jax.run.wandb_writer import WandbOptions
 from rlver_jax.spec import RunSpec
 from rlver_jax.train.dynamic_sampling import Round, StepRollout, fill_informative
 from rlver_jax.train.call_metrics import take_sampler_calls, update_calls
+from rlver_jax.train.state import TrainState
 
 
 class StepResult(NamedTuple):
@@ -79,11 +81,8 @@ class Trainer:
     self.decode_copy, self.sampler, self.backend = p.decode_copy, p.sampler, p.backend
     self.policy_up, self.critic, self.critic_up = p.policy_up, p.critic, p.critic_up
     with jax.set_mesh(self.mesh):
-      self._init_state()
-    self.rollout_params = self.decode_copy.refresh(self.state["policy"])
-    # Replicated over the mesh like every other state leaf, so a restored key lives on the same devices.
-    self.state["rng"] = global_array(jax.random.key_data(jax.random.key(spec.seed)),
-                                     NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+      self.state = self._init_state()
+    self.state = self._with_rollout_copy(self.state)
     self.step = 0
     # Held while the state changes (the update donates it) and while a step's outputs are written:
     # a save on SIGTERM from the watcher thread waits for it, so it sees one whole step.
@@ -96,27 +95,45 @@ class Trainer:
     self._logp_fn = jax.jit(self._old_logp)
     self._value_fn = jax.jit(self._old_values)
 
-  def _init_state(self) -> None:
-    """The trained parameters and their optimizer states (the critic's if there is one), and a
-    frozen reference copy of the policy if a KL term needs it."""
-    self.state: dict[str, Any] = {"policy": nnx.state(self.policy, nnx.Param)}
-    self.state["policy_opt"] = self.policy_up.init(self.state["policy"])
-    if self.critic is not None:
-      self.state["critic"] = nnx.state(self.critic, nnx.Param)
-      self.state["critic_opt"] = self.critic_up.init(self.state["critic"])
-    self.ref = jax.tree.map(jnp.copy, self.state["policy"]) if self.spec.rl.kl_coef > 0 else None
+  def _init_state(self) -> TrainState:
+    """The trained parameters and their optimizer states (the critic's if there is one), a frozen
+    reference copy of the policy if a KL term needs it, and the run's key."""
+    policy = nnx.state(self.policy, nnx.Param)
+    critic = None if self.critic is None else nnx.state(self.critic, nnx.Param)
+    # Replicated over the mesh like every other state leaf, so a restored key lives on the same devices.
+    rng = global_array(jax.random.key_data(jax.random.key(self.spec.seed)),
+                       NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+    return TrainState(
+        policy=policy, policy_opt=self.policy_up.init(policy), rng=rng, critic=critic,
+        critic_opt=None if critic is None else self.critic_up.init(critic),
+        reference=jax.tree.map(jnp.copy, policy) if self.spec.rl.kl_coef > 0 else None)
+
+  def _with_rollout_copy(self, state: TrainState) -> TrainState:
+    """`state` with its policy copied into the rollout's layout; the old copy is freed first, so
+    the old and new copies never coexist."""
+    state = dataclasses.replace(state, rollout=None)
+    self.state = state  # the trainer's reference to the old copy goes too
+    return dataclasses.replace(state, rollout=self.decode_copy.refresh(state.policy))
+
+  @property
+  def ref(self):
+    """The frozen reference policy's parameters (None without a KL term)."""
+    return self.state.reference
+
+  @property
+  def rollout_params(self):
+    """The policy's parameters in the rollout's layout."""
+    return self.state.rollout
 
   # -- state -------------------------------------------------------------------------------------
 
   def restore_if_any(self) -> bool:
-    restored = self.checkpointer.restore_newest_good(abstract_like(self.state))
+    restored = self.checkpointer.restore_newest_good(abstract_like(self.state.checkpointed()))
     if restored is None:
       self.writer.drop_after(0)  # rows of an earlier attempt that never saved: it starts over
       return False
     state, meta = restored
-    self.state = state
-    self.rollout_params = None  # the fresh start's copy, freed before the restored one is made
-    self.rollout_params = self.decode_copy.refresh(self.state["policy"])
+    self.state = self._with_rollout_copy(self.state.restored(state))
     self.step = int(meta["step"])
     self.profile_sampler.load_state_dict(meta["profile_sampler"])
     self._sampler_after_step = self.profile_sampler.state_dict()
@@ -134,7 +151,7 @@ class Trainer:
   def save(self) -> None:
     meta = {"step": self.step, "profile_sampler": self._sampler_after_step,
             "config": self.spec.source, "batch_shards": batch_shards(self.mesh)}
-    self.checkpointer.save(self.step, self.state, meta)
+    self.checkpointer.save(self.step, self.state.checkpointed(), meta)
 
   # -- one step ----------------------------------------------------------------------------------
 
@@ -180,13 +197,13 @@ class Trainer:
                   mini_batch_rows=rl.rows_per_mini_batch, mini_batches=rl.mini_batches, shards=shards)
     device = lambda x: to_device(x.reshape(p.layout.step_shape), self.mesh)
     tokens, seg = device(p.tokens), device(p.segment_ids)
-    old_logp = self._logp_fn(self.state["policy"], tokens, seg)
+    old_logp = self._logp_fn(self.state.policy, tokens, seg)
     rewards, ref_logp, metrics = self._reference(p, tokens, seg, old_logp)
     metrics.update(mismatch_metrics(host_array(old_logp), p.rollout_logp, p.loss_mask,
                                     cap=rl.correction[1]))
     values = None
     if self.algorithm.has_critic:
-      values = self._value_fn(self.state["critic"], tokens, seg)
+      values = self._value_fn(self.state.critic, tokens, seg)
     target = self.algorithm.targets(
         dialogues, p, rewards, None if values is None else host_array(values).reshape(p.loss_mask.shape))
     metrics.update(target.metrics)
@@ -234,16 +251,18 @@ class Trainer:
     """Runs the optimizer updates of mini-batches `parts` for every epoch, without waiting for any:
     the metrics of each update, still on device."""
     scale, critic_scale = self._step_warmup(), self._step_warmup(critic=True)
-    out = []
+    out, s = [], self.state
     for _ in range(self.spec.rl.epochs):
       for part in parts:
         mini = batch.mini_batch(part)
-        self.state["policy"], self.state["policy_opt"], m = self.policy_up.step(
-            self.state["policy"], self.state["policy_opt"], mini, lr_scale=scale)
+        policy, policy_opt, m = self.policy_up.step(s.policy, s.policy_opt, mini, lr_scale=scale)
+        s = dataclasses.replace(s, policy=policy, policy_opt=policy_opt)
         if self.algorithm.has_critic:
-          self.state["critic"], self.state["critic_opt"], mv = self.critic_up.step(
-              self.state["critic"], self.state["critic_opt"], mini, lr_scale=critic_scale)
+          critic, critic_opt, mv = self.critic_up.step(s.critic, s.critic_opt, mini,
+                                                       lr_scale=critic_scale)
+          s = dataclasses.replace(s, critic=critic, critic_opt=critic_opt)
           m = {**m, **{f"critic/{k}": v for k, v in mv.items()}}
+        self.state = s  # the donated buffers are gone: never leave the trainer holding them
         out.append(m)
     return out
 
@@ -287,7 +306,7 @@ class Trainer:
     """One rollout + update: the step's metrics and dialogues. `should_stop` is polled between
     rollout turns; if it fires, the step is abandoned before anything changed (RolloutInterrupted)
     and the state is still the last step's."""
-    rng = jax.random.fold_in(jax.random.wrap_key_data(self.state["rng"]), self.step)
+    rng = jax.random.fold_in(jax.random.wrap_key_data(self.state.rng), self.step)
     t0 = time.perf_counter()
     before = self.profile_sampler.state_dict()
     self.backend.take_counts()  # zeroed: the step's metrics count the step's HTTP requests
@@ -303,9 +322,8 @@ class Trainer:
       with self.lock:
         batch, extra = self.make_batch(rolled.trained)
         metrics = self.update(batch)
-        jax.block_until_ready(self.state["policy"])
-        self.rollout_params = None  # freed first: old and new copy never coexist
-        self.rollout_params = self.decode_copy.refresh(self.state["policy"])
+        jax.block_until_ready(self.state.policy)
+        self.state = self._with_rollout_copy(self.state)
         metrics.update(self.decode_copy.metrics())
         self.step += 1
         self._sampler_after_step = self.profile_sampler.state_dict()

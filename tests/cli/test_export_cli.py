@@ -47,7 +47,7 @@ def run(tmp_path_factory):
 def _trained_params(run, step):
   """The policy params of `step`, restored the trainer's way (the whole state)."""
   trainer = tiny_world.trainer(_config(run["world"]), run["workdir"])
-  state, _ = trainer.checkpointer.restore(abstract_like(trainer.state), step)
+  state, _ = trainer.checkpointer.restore(abstract_like(trainer.state.checkpointed()), step)
   trainer.checkpointer.close()
   trainer.writer.close()
   nnx.update(trainer.policy, state["policy"])
@@ -194,7 +194,7 @@ def test_a_ppo_runs_export_is_its_policy_not_its_critic(run, tmp_path):
   trainer = tiny_world.trainer(config, str(workdir))
   assert trainer.restore_if_any()
   trainer.checkpointer.close()
-  nnx.update(trainer.policy, trainer.state["policy"])
+  nnx.update(trainer.policy, trainer.state.policy)
   exported, _ = load_pretrained(str(out), dtype=jnp.float32)
   # (Not bitwise: the trainer's copy is sharded over 8 devices, which changes reduction order.)
   np.testing.assert_allclose(_logits(exported), _logits(trainer.policy), atol=1e-5)

@@ -1,6 +1,7 @@
 """`export` and the evaluations that read a training workdir's policy check the checksums saved with
 its checkpoint: damaged bytes are one line naming the step, the array and the other steps, and the
 workdir is left as it was (a reader moves nothing)."""
+import dataclasses
 import pathlib
 import re
 import sys
@@ -48,12 +49,13 @@ def workdir(tmp_path_factory):
   tiny_world.apply(config, tiny_world.tiny_overrides(tiny_world.make_world(root / "world"), "grpo"))
   trainer = tiny_world.trainer(config, str(root / "run"))
   for step in (1, 2):
-    trainer.state["policy"] = jax.tree.map(lambda x: _random_bits(x, step), trainer.state["policy"])
+    trainer.state = dataclasses.replace(
+        trainer.state, policy=jax.tree.map(lambda x: _random_bits(x, step), trainer.state.policy))
     trainer.step = step
     trainer.save()
   trainer.checkpointer.close()
   trainer.writer.close()
-  biggest = max(jax.tree.leaves(trainer.state["policy"]), key=lambda x: x.size)
+  biggest = max(jax.tree.leaves(trainer.state.policy), key=lambda x: x.size)
   _damage_array(root / "run" / "checkpoints" / "2", np.asarray(biggest))
   return root / "run"
 

@@ -33,7 +33,7 @@ def _check_copy(trainer) -> dict:
   model reads them) on the rollout sampler's mesh; returns it as numpy by path."""
   copy = dict(nnx.to_flat_state(trainer.rollout_params))
   out = {}
-  for path, var in nnx.to_flat_state(trainer.state["policy"]):
+  for path, var in nnx.to_flat_state(trainer.state.policy):
     master = np.asarray(var[...])
     assert master.dtype == np.float32
     want = master if str(path[-1]).endswith("norm") else master.astype(jnp.bfloat16)
@@ -59,7 +59,7 @@ def test_the_decode_copy_follows_every_update_and_a_resume(world, tmp_path, poli
   assert {a.sharding.mesh for a in jax.tree.leaves(trainer.backend.params)} == {sim.mesh}
   assert sim.padded_rows(2) == 4
   moved = 0 if policy_mesh == "train" else sum(
-      v[...].size * 2 for path, v in nnx.to_flat_state(trainer.state["policy"])
+      v[...].size * 2 for path, v in nnx.to_flat_state(trainer.state.policy)
       if not str(path[-1]).endswith("norm"))  # bf16; the norms are replicated in both layouts
   first = _check_copy(trainer)
   for _ in range(2):

@@ -48,7 +48,7 @@ def _update(trainer, batch, optimizer, **rl):
   """One update of a copy of the rollout's policy, with the loss config of config.rl + `rl`."""
   spec = dataclasses.replace(trainer.spec, rl=dataclasses.replace(trainer.spec.rl, **rl))
   up = Updater(trainer.policy, optimizer, "policy", spec.loss_config())
-  params = jax.tree.map(jnp.copy, trainer.state["policy"])
+  params = jax.tree.map(jnp.copy, trainer.state.policy)
   with jax.set_mesh(trainer.mesh):
     new, _, metrics = up.step(params, up.init(params), batch)
   return new, {k: float(v) for k, v in metrics.items()}
@@ -86,7 +86,7 @@ def test_loss_variants_take_ppos_first_update(rollout):
   params = {k: _update(trainer, batch, optax.sgd(1.0), policy_loss=k)[0]
             for k in ("ppo", "gspo", "cispo")}
   moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
-              for a, b in zip(jax.tree.leaves(params["ppo"]), jax.tree.leaves(trainer.state["policy"])))
+              for a, b in zip(jax.tree.leaves(params["ppo"]), jax.tree.leaves(trainer.state.policy)))
   assert moved > 1e-4
   for kind in ("gspo", "cispo"):
     for a, b in zip(jax.tree.leaves(params["ppo"]), jax.tree.leaves(params[kind])):

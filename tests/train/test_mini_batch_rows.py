@@ -67,7 +67,7 @@ def test_a_fitted_micro_batch_trains_like_a_padded_one(world, tmp_path, monkeypa
       batch, _ = trainer.make_batch(dialogues)
       shapes[kind] = batch.tokens.shape[:2]
       metrics = trainer.update(batch)
-      updated[kind] = ([np.asarray(x) for x in jax.tree.leaves(trainer.state["policy"])], metrics)
+      updated[kind] = ([np.asarray(x) for x in jax.tree.leaves(trainer.state.policy)], metrics)
   # 2 profiles x 8 = 16 rows, one mini-batch; 4 rows a device on 8 devices would be 32.
   assert shapes == {"fitted": (1, 16), "padded": (1, 32)}
   (fitted, m_fitted), (padded, m_padded) = updated["fitted"], updated["padded"]
@@ -79,7 +79,7 @@ def test_a_fitted_micro_batch_trains_like_a_padded_one(world, tmp_path, monkeypa
   # to ~2e-5, under 0.1% of a step.
   for a, b in zip(fitted, padded):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
-  assert any(not np.allclose(a, np.asarray(s)) for a, s in zip(fitted, jax.tree.leaves(start["policy"])))
+  assert any(not np.allclose(a, np.asarray(s)) for a, s in zip(fitted, jax.tree.leaves(start.policy)))
   trainer.checkpointer.close()
 
 
@@ -113,14 +113,14 @@ def test_a_think_step_with_t_turns_makes_t_updates(world, tmp_path):
     metrics = trainer.update(batch)
   assert metrics["optimizer_updates"] == 3
   # The warm-up schedule is indexed by this count: 3 of its 8 updates are done after one RL step.
-  assert _update_counts(trainer.state["policy_opt"]) == {3}
+  assert _update_counts(trainer.state.policy_opt) == {3}
   # Count-based instead: the same rollout makes rl.mini_batches = 1 update.
   spec = trainer.spec
   trainer.spec = dataclasses.replace(spec, rl=dataclasses.replace(spec.rl, mini_batch_rows=0))
   with jax.set_mesh(trainer.mesh):
     batch, _ = trainer.make_batch(dialogues)
     assert trainer.update(batch)["optimizer_updates"] == 1
-  assert _update_counts(trainer.state["policy_opt"]) == {4}
+  assert _update_counts(trainer.state.policy_opt) == {4}
   trainer.checkpointer.close()
 
 

@@ -32,5 +32,5 @@ def test_a_trainer_given_parts_loads_nothing_and_steps_like_one_that_assembles(
   m_own, m_given = own.train_step().metrics, given.train_step().metrics
   assert m_given["reward_mean"] == m_own["reward_mean"]
   for key in ("policy", "critic"):
-    for a, b in zip(jax.tree.leaves(own.state[key]), jax.tree.leaves(given.state[key])):
+    for a, b in zip(jax.tree.leaves(getattr(own.state, key)), jax.tree.leaves(getattr(given.state, key))):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -75,7 +75,7 @@ def test_simulator_error_dialogues_get_no_weight_and_leave_the_group_statistics(
   fake = _Failing(fail_rows=[0, 9], after=1)  # one dialogue in each of the two GRPO groups of 8
   monkeypatch.setattr(build, "simulator_backend", lambda *args, **kwargs: fake)
   trainer = tiny_world.trainer(tiny_world.training_config(world, "grpo", total_steps=1), str(tmp_path))
-  rng = jax.random.fold_in(jax.random.wrap_key_data(trainer.state["rng"]), 0)
+  rng = jax.random.fold_in(jax.random.wrap_key_data(trainer.state.rng), 0)
   with jax.set_mesh(trainer.mesh):
     dialogues, _ = trainer.rollout(rng)
   failed = [d for d in dialogues if d.termination == SIMULATOR_ERROR]

@@ -161,8 +161,8 @@ def test_padding_only_mini_batches_take_no_optimizer_step(world, tmp_path):
   trainer = tiny_world.trainer(config, str(tmp_path))
   metrics = trainer.train_step().metrics
   assert metrics["samples"] == 2
-  assert _update_counts(trainer.state["policy_opt"]) == {1}
-  assert _update_counts(trainer.state["critic_opt"]) == {1}
+  assert _update_counts(trainer.state.policy_opt) == {1}
+  assert _update_counts(trainer.state.critic_opt) == {1}
 
 
 def test_a_diverged_update_stops_before_it_is_saved():
@@ -414,10 +414,10 @@ def test_optimizer_moments_are_sharded_like_their_params(world, tmp_path):
   def check(trainer):
     sharded = 0
     for name, up in (("policy", trainer.policy_up), ("critic", trainer.critic_up)):
-      params = trainer.state[name]
+      params = getattr(trainer.state, name)
       same = optax.tree_map_params(
           up.optimizer, lambda m, p: m.sharding.is_equivalent_to(p.sharding, p.ndim),
-          trainer.state[f"{name}_opt"], params, transform_non_params=lambda _: True)
+          getattr(trainer.state, f"{name}_opt"), params, transform_non_params=lambda _: True)
       assert all(jax.tree.leaves(same)), name
       sharded += sum(not p.sharding.is_fully_replicated for p in jax.tree.leaves(params))
     assert sharded > 0  # the 8-device mesh does shard the params, so the check means something

@@ -42,7 +42,7 @@ def _pretrained_logp(trainer, pretrained, batch):
 def test_grpo_kl_term_anchors_to_the_pretrained_policy_across_a_resume(world, tmp_path):
   config = _config(world, "grpo", total_steps=3, **{"rl.kl_coef": 0.5, "optim.actor_lr": 1e-3})
   trainer = tiny_world.trainer(config, str(tmp_path))
-  pretrained = jax.tree.map(jnp.copy, trainer.state["policy"])
+  pretrained = jax.tree.map(jnp.copy, trainer.state.policy)
 
   _, batch, extra = _batch(trainer, 0)
   mask = _np(batch.loss_mask) > 0
@@ -71,7 +71,8 @@ def test_grpo_kl_term_anchors_to_the_pretrained_policy_across_a_resume(world, tm
   # (A fresh optimizer state: Adam's momentum from the reward-driven steps would first carry on.)
   pull = dataclasses.replace(batch, advantages=jnp.zeros_like(batch.advantages))
   with jax.set_mesh(resumed.mesh):
-    resumed.state["policy_opt"] = resumed.policy_up.init(resumed.state["policy"])
+    resumed.state = dataclasses.replace(resumed.state,
+                                        policy_opt=resumed.policy_up.init(resumed.state.policy))
     kls = [resumed.update(pull)["kl_loss"] for _ in range(4)]
   k3 = np.asarray(kl_penalty(jnp.asarray(old), jnp.asarray(ref), "k3"))
   np.testing.assert_allclose(kls[0], k3[mask].mean(), rtol=1e-3)  # token-mean k3 at the old policy
@@ -86,12 +87,14 @@ def test_ppo_kl_in_reward_subtracts_each_tokens_penalty_from_its_reward(world, t
                                                     "rl.whiten_advantages": False})
   trainer = tiny_world.trainer(config, str(tmp_path))
   # A reference that differs from the policy (as after some training): every weight scaled.
-  trainer.ref = jax.tree.map(lambda x: x * 1.05, trainer.state["policy"])
+  trainer.state = dataclasses.replace(
+      trainer.state, reference=jax.tree.map(lambda x: x * 1.05, trainer.state.policy))
   with jax.set_mesh(trainer.mesh):
     dialogues, _ = trainer.rollout(jax.random.key(0))
     with_kl, extra = trainer.make_batch(dialogues)
     ref_logp = trainer._logp_fn(trainer.ref, with_kl.tokens, with_kl.segment_ids)
-    saved, trainer.ref = trainer.ref, None
+    saved = trainer.ref
+    trainer.state = dataclasses.replace(trainer.state, reference=None)
     without, _ = trainer.make_batch(dialogues)
   assert with_kl.ref_logp is None  # the KL went into the rewards, not the loss
   mask = _np(with_kl.loss_mask)

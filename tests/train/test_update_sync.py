@@ -1,6 +1,7 @@
 """The trainer's update loop never waits for the device: every optimizer update of a step (policy and
 critic, every mini-batch and epoch) is dispatched before any value comes back to the host, and the
 metrics come back in one fetch after the last. Equal update configs share one compiled program."""
+import dataclasses
 import functools
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ from rlver_jax.rl.algorithms import PPO
 from rlver_jax.rl.batch import UpdateBatch
 from rlver_jax.rl.update import LossConfig, OptimConfig, Updater, make_optimizer, update_program
 from rlver_jax.spec import RunSpec
+from rlver_jax.train.state import TrainState
 from rlver_jax.train.trainer import Trainer
 
 CFG = Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
@@ -44,9 +46,9 @@ def _trainer(epochs=2):
   t = SimpleNamespace(spec=spec, step=3, algorithm=PPO(),
                       policy_up=Updater(policy, opt, "policy", LossConfig()),
                       critic_up=Updater(critic, opt, "value", LossConfig()))
-  t.state = {"policy": nnx.state(policy, nnx.Param), "critic": nnx.state(critic, nnx.Param)}
-  t.state["policy_opt"] = t.policy_up.init(t.state["policy"])
-  t.state["critic_opt"] = t.critic_up.init(t.state["critic"])
+  p, c = nnx.state(policy, nnx.Param), nnx.state(critic, nnx.Param)
+  t.state = TrainState(policy=p, policy_opt=t.policy_up.init(p), rng=jnp.zeros(2, jnp.uint32),
+                       critic=c, critic_opt=t.critic_up.init(c))
   for name in ("_step_warmup", "dispatch_updates", "update"):
     setattr(t, name, functools.partial(getattr(Trainer, name), t))
   return t
@@ -87,8 +89,9 @@ def test_the_fetched_metrics_match_each_update():
   slow = _trainer(epochs=1)
   seen = []
   for part in range(2):
-    slow.state["policy"], slow.state["policy_opt"], m = slow.policy_up.step(
-        slow.state["policy"], slow.state["policy_opt"], batch.mini_batch(part), lr_scale=0.3)  # step 3 of a 10-step warm-up
+    policy, policy_opt, m = slow.policy_up.step(  # lr_scale: step 3 of a 10-step warm-up
+        slow.state.policy, slow.state.policy_opt, batch.mini_batch(part), lr_scale=0.3)
+    slow.state = dataclasses.replace(slow.state, policy=policy, policy_opt=policy_opt)
     seen.append(float(m["pg_loss"]))
   # Mini-batch 0 holds 2 micro-batches of tokens, mini-batch 1 one: weights 2 : 1.
   np.testing.assert_allclose(fast["pg_loss"], (2 * seen[0] + seen[1]) / 3, rtol=1e-6)

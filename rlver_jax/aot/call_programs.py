@@ -23,6 +23,7 @@ from rlver_jax.aot import target as aot_target
 from rlver_jax.spec.forward import ModelShape
 from rlver_jax.rl.batch import UpdateBatch
 from rlver_jax.rl.update import token_logprobs_and_entropy
+from rlver_jax.sampling.draft_rule import draw, token_logprobs, verify
 from rlver_jax.sampling.strategies import SamplingParams
 from rlver_jax.spec import RunSpec
 
@@ -74,6 +75,54 @@ def decode_call(shape: SamplerShape, window: int, mesh: Mesh):
           *ap._replicated(mesh, (sampler.stop_ids, jax.random.key(0), SamplingParams.make())))
   static = dict(window=window, max_new=shape.max_new, pad_id=sampler.pad_id)
   return _auto_cache_layout(ap.Bound(sampler._decode, (sampler.graphdef,), static), args, cache, mesh), args
+
+
+def _verify_fn(graphdef, params, cache, fed_BxK1, q_logp_BxKxV, key, sampling, *, window):
+  """A verify pass as `sampling.speculative`'s loop runs it: the k + 1 positions through the cached
+  model, log-probs at each under the sampling filter, the acceptance rule, the raw log-probs' norm."""
+  model = nnx.merge(graphdef, params)
+  B, K1 = fed_BxK1.shape
+  positions = cache.lengths[:, None] + jnp.arange(K1)[None, :]
+  hidden, written = model.cached_hidden_states(fed_BxK1, positions, cache.view(window))
+  logits = model.logits(hidden).astype(jnp.float32)
+  V = logits.shape[-1]
+  p = token_logprobs(logits.reshape(B * K1, V), sampling).reshape(B, K1, V)
+  n, y = verify(p, q_logp_BxKxV, fed_BxK1[:, 1:], key)
+  return written.advanced(n + 1), n, y, jax.nn.logsumexp(logits, axis=-1)
+
+
+def _draft_step_fn(graphdef, params, cache, inp_Bx2, num_B, key, sampling, *, window):
+  """One draft step: its input (the backlog, or the last proposal) through the cached draft, then a
+  proposal drawn from its sampling distribution."""
+  model = nnx.merge(graphdef, params)
+  positions = cache.lengths[:, None] + jnp.arange(inp_Bx2.shape[1])[None, :]
+  hidden, written = model.cached_hidden_states(inp_Bx2, positions, cache.view(window))
+  last = jnp.take_along_axis(hidden, jnp.maximum(num_B - 1, 0)[:, None, None], axis=1)[:, 0]
+  q = token_logprobs(model.logits(last).astype(jnp.float32), sampling)
+  return written.advanced(num_B), draw(key, q), q
+
+
+def verify_call(shape: SamplerShape, draft_tokens: int, window: int, mesh: Mesh):
+  """One verify pass of `draft_tokens` + 1 positions a row at `window` (the simulator's side of a
+  draft-and-verify decode), cache in the compiler's layout as in `decode_call`."""
+  sampler, params, cache = ap.sampler_inputs(shape.model, shape.rows, shape.max_len, mesh, shape.layout)
+  V, B, k = ap.model_config(shape.model).vocab_size, shape.rows, draft_tokens
+  args = (params, cache, ap.abstract_array((B, k + 1), jnp.int32, ("batch", "seq"), mesh),
+          ap.abstract_array((B, k, V), jnp.float32, ("batch", None, "act_vocab"), mesh),
+          *ap._replicated(mesh, (jax.random.key(0), SamplingParams.make())))
+  bound = ap.Bound(_verify_fn, (sampler.graphdef,), dict(window=window))
+  return _auto_cache_layout(bound, args, cache, mesh), args
+
+
+def draft_step_call(shape: SamplerShape, window: int, mesh: Mesh):
+  """One draft step at `window` (two input positions a row: the loop's fixed width)."""
+  sampler, params, cache = ap.sampler_inputs(shape.model, shape.rows, shape.max_len, mesh, shape.layout)
+  row = lambda dtype, *more: ap.abstract_array((shape.rows, *more), dtype,
+                                               ("batch", "seq")[:1 + len(more)], mesh)
+  args = (params, cache, row(jnp.int32, 2), row(jnp.int32),
+          *ap._replicated(mesh, (jax.random.key(0), SamplingParams.make())))
+  bound = ap.Bound(_draft_step_fn, (sampler.graphdef,), dict(window=window))
+  return _auto_cache_layout(bound, args, cache, mesh), args
 
 
 def _auto_cache_layout(bound: ap.Bound, args, cache, mesh: Mesh):

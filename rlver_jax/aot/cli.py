@@ -26,7 +26,7 @@ from ml_collections import config_flags
 from rlver_jax.aot import plan as run_plan
 from rlver_jax.aot import target as aot_target
 from rlver_jax.aot.report import evaluate, find_smallest, format_evaluation, format_table
-from rlver_jax.aot.step_time_cli import run_estimate
+from rlver_jax.aot.step_time_cli import draft_model, run_estimate
 from rlver_jax.aot.topology import CANDIDATES, AotError
 from rlver_jax.cli.errors import exit_on
 from rlver_jax.cli.flags import parse_flags
@@ -63,7 +63,9 @@ def _run(config) -> None:
     print(run_estimate(target, _TOPOLOGY.value))
     return
   if not _FIND.value:
-    print(format_evaluation(evaluate(target, _TOPOLOGY.value, only=_ONLY.value)))
+    found = draft_model(target) if aot_target.is_run(target) else None  # in the plan, if any
+    print(format_evaluation(evaluate(target, _TOPOLOGY.value, only=_ONLY.value,
+                                     draft=found and found[0])))
     return
   found = find_smallest(target, _FAMILIES.value, log=_streamed_table(), only=_ONLY.value)
   print()

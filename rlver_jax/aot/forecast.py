@@ -85,7 +85,8 @@ def extras(spec: RunSpec, calls: dict[str, float], phases: dict[str, PhaseTime],
         f"{rounds:.0f} answer rounds a dialogue, each re-asked with probability 1 - (1 - "
         f"{a.parse_failure_rate:g})^{rows} rows = {p_round:.2f}, a retry as long as an average "
         "round of the simulator decode")))
-  segments = calls.get("policy/decode_calls", 0.0) + calls.get("simulator/decode_calls", 0.0)
+  segments = sum(calls.get(k, 0.0) for k in ("policy/decode_calls", "simulator/decode_calls",
+                                              "simulator/verify_calls"))
   texts = calls.get("host/text_round_trips", 0.0)
   note = ""
   if not texts:  # a recorded step does not count them: a full dialogue's turns and answers
@@ -111,9 +112,10 @@ def extras(spec: RunSpec, calls: dict[str, float], phases: dict[str, PhaseTime],
 
 
 def compile_programs(calls: dict[str, float], phases: dict[str, PhaseTime]) -> int:
-  """Programs the first step compiles: one per sampler shape called, update, scoring, reshard."""
+  """Programs the first step compiles: one per sampler shape called (a draft-and-verify decode:
+  one per verify window, its draft steps inside), update, scoring, reshard."""
   shapes = {k.replace("/prefill/", "/append/") for k, n in calls.items() if n and k.count("/") >= 2
-            and k.split("/")[1] in ("append", "prefill", "decode_steps")}
+            and k.split("/")[1] in ("append", "prefill", "decode_steps", "verify_passes")}
   return len(shapes) + sum(1 for name in ("update", "reshard") if phases.get(name)
                            and phases[name].calls) + (1 if calls.get("forward/micro_batches") else 0)
 

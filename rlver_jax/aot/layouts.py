@@ -5,7 +5,8 @@ weight shard would crowd the chip's HBM, so it is given the weights' bytes and t
 
 A policy in a serving layout decodes from a copy of its weights in the compute dtype, refreshed once
 per step from the training params (`programs.reshard_program`); with 'train' it decodes from the
-training params themselves (the behaviour before layouts: no copy, no reshard).
+training params themselves (the behaviour before layouts: no copy, no reshard). A simulator's draft
+(`aot.draft`) decodes on `simulator.draft_mesh`, resolved for the draft's own model.
 """
 from __future__ import annotations
 
@@ -36,8 +37,14 @@ class Layouts:
   policy: Mesh
   simulator: Mesh
   policy_copy: bool = False
+  draft: Mesh | None = None              # the simulator's draft, when there is one
+  draft_model: ModelShape | None = None
 
   def for_role(self, role: str) -> Mesh:
+    if role == "simulator_draft":
+      if self.draft is None:
+        raise ValueError("no simulator draft in these layouts")
+      return self.draft
     return {"policy": self.policy, "simulator": self.simulator}.get(role, self.train)
 
   def for_program(self, name: str) -> Mesh:
@@ -47,8 +54,9 @@ class Layouts:
   def describe(self) -> str:
     """'train 1x32x1, policy decode 8x1x4 (bf16 copy), simulator decode 4x1x8' (data x fsdp x tensor)."""
     copy = " (decode copy)" if self.policy_copy else ""
+    draft = f", draft decode {_shape(self.draft)}" if self.draft is not None else ""
     return (f"train {_shape(self.train)}, policy decode {_shape(self.policy)}{copy}, "
-            f"simulator decode {_shape(self.simulator)} (data x fsdp x tensor)")
+            f"simulator decode {_shape(self.simulator)}{draft} (data x fsdp x tensor)")
 
   def shape(self, role: str) -> str:
     return _shape(self.for_role(role))
@@ -66,10 +74,11 @@ def weight_bytes(model: ModelShape) -> int:
 
 
 def resolve(spec: RunSpec, devices: Sequence[jax.Device], train: MeshConfig,
-            hbm_bytes: int | None) -> Layouts:
+            hbm_bytes: int | None, draft: ModelShape | None = None) -> Layouts:
   """The run's layouts on `devices` with training mesh `train`: each decoding model's mesh from
   `spec.layouts.decode_mesh`, as the trainer resolves it (`build.decode_mesh`); ValueError
-  (naming the key) for a decode layout that does not divide the devices or the model's heads."""
+  (naming the key) for a decode layout that does not divide the devices or the model's heads.
+  `draft`: the simulator's draft model, on `simulator.draft_mesh`."""
   train_mesh = make_mesh(train, devices)
   meshes = {}
   for role, key, value, model in (
@@ -80,8 +89,14 @@ def resolve(spec: RunSpec, devices: Sequence[jax.Device], train: MeshConfig,
       continue
     meshes[role] = spec_layouts.decode_mesh(value, key, ap.model_config(model), train, train_mesh,
                                             weight_bytes=weight_bytes(model), hbm_bytes=hbm_bytes)
+  draft_mesh = None
+  if draft is not None:
+    draft_mesh = spec_layouts.decode_mesh(
+        spec.simulator.draft_mesh, "simulator.draft_mesh", ap.model_config(draft), train,
+        train_mesh, weight_bytes=weight_bytes(draft), hbm_bytes=hbm_bytes)
   return Layouts(train_mesh, meshes["policy"], meshes["simulator"],
-                 policy_copy=spec.rollout.policy_mesh != spec_layouts.TRAIN)
+                 policy_copy=spec.rollout.policy_mesh != spec_layouts.TRAIN, draft=draft_mesh,
+                 draft_model=draft)
 
 
 RESHARD = "policy_reshard"

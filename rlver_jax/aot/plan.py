@@ -7,8 +7,9 @@ backend's cache):
 
   rollout  policy params + policy optimizer state (+ critic params + critic optimizer state for PPO)
            (+ reference params when rl.kl_coef > 0) (+ the policy's decode copy in a serving layout)
-           + simulator params + policy KV cache + simulator KV cache, plus the largest private need
-           of one sampler program
+           + simulator params + policy KV cache + simulator KV cache (+ the simulator's draft:
+           its params and KV cache), plus the largest private need of one sampler program (the
+           draft-and-verify program itself is not compiled here)
   update   the same without the policy KV cache (it belongs to the rollout and is dropped after it;
            the simulator backend keeps its cache between steps), plus the largest private need of one
            update program or of the reshard (policy decode copy refreshed from the training params)
@@ -122,6 +123,13 @@ def resident_state(spec: RunSpec, layouts) -> dict[str, dict[str, int]]:
     _, sim = ap.abstract_params(ap.simulator_model(spec), layouts.simulator)
     common["simulator params"] = per_device_bytes(sim)
     common["simulator KV cache"] = _cache_bytes(spec, layouts.simulator, "simulator")
+  draft = getattr(layouts, "draft_model", None)
+  if draft is not None:  # the simulator's draft: its weights and a cache of the same tokens
+    _, params = ap.abstract_params(draft, layouts.draft)
+    common["draft params"] = per_device_bytes(params)
+    common["draft KV cache"] = per_device_bytes(ap.abstract_cache(
+        ap.model_config(draft), ap.rollout_rows(spec, layouts.draft), spec.simulator.max_context,
+        ap.cache_dtype(draft), layouts.draft))
   rollout = dict(common, **{"policy KV cache": _cache_bytes(spec, layouts.policy, "policy")})
   return {"rollout": rollout, "update": common}
 

@@ -117,14 +117,15 @@ def _train_mesh_config(target: Target, devices: Sequence[jax.Device],
 
 
 def run_layouts(target: Target, devices: Sequence[jax.Device],
-                mesh_config: MeshConfig | None = None, hbm_bytes: int | None = None
-                ) -> aot_layouts.Layouts:
-  """Each model's mesh on `devices` (`aot.layouts`): one mesh for an aot config's programs."""
+                mesh_config: MeshConfig | None = None, hbm_bytes: int | None = None,
+                draft=None) -> aot_layouts.Layouts:
+  """Each model's mesh on `devices` (`aot.layouts`): one mesh for an aot config's programs;
+  `draft`: the simulator's draft model (`aot.draft`), if any."""
   train = _train_mesh_config(target, devices, mesh_config)
   if not aot_target.is_run(target):
     return aot_layouts.single(make_mesh(train, devices))
   try:
-    return aot_layouts.resolve(target, devices, train, hbm_bytes)
+    return aot_layouts.resolve(target, devices, train, hbm_bytes, draft)
   except ValueError as e:  # a decode layout that does not divide the devices or the heads
     raise AotError(str(e)) from None
 
@@ -152,7 +153,7 @@ class Evaluation:
 
 
 def evaluate(target: Target, topology: str, mesh_config: MeshConfig | None = None,
-             only: Sequence[str] = (), give_up_early: bool = False) -> Evaluation:
+             only: Sequence[str] = (), give_up_early: bool = False, draft=None) -> Evaluation:
   """Compiles the programs of `target` for `topology`; adds the run plan for a training run.
 
   With `give_up_early` (a search), a training run compiles nothing when its resident state alone
@@ -162,7 +163,7 @@ def evaluate(target: Target, topology: str, mesh_config: MeshConfig | None = Non
   devices = get_topology(topology)
   hbm = hbm_per_device(devices)
   names = program_names(target, only)
-  layouts = run_layouts(target, devices, mesh_config, hbm)
+  layouts = run_layouts(target, devices, mesh_config, hbm, draft)
   shape = tuple(layouts.train.shape[a] for a in ("data", "fsdp", "tensor"))
   if not aot_target.is_run(target):
     return Evaluation(topology, shape, tuple(compile_program(n, target, layouts, topology, hbm)

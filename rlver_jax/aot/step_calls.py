@@ -11,6 +11,13 @@ each), the same under `simulator/`, and `update/micro_batches`, `update/rows`, `
 slots a row fills), `simulator/answer_rounds` (simulator answers a dialogue, each one decode) and
 `host/text_round_trips` (policy turns and simulator answers: text leaves the device for each).
 
+With a draft (`aot.draft`) the simulator's answers are draft-and-verify calls, keyed as the trainer
+records them (`sampling.call_counts`): `simulator/verify_passes/W` (target passes of k + 1 positions,
+the closing pass included), `simulator/draft_steps/W` (k per pass but the closing one),
+`simulator/verify_calls`, and the draft's appends under `simulator_draft/` (the same tokens as the
+simulator's). A pass yields `Draft.per_pass` tokens on average; the first token of a call comes from
+the logits the caller holds, so n tokens take (n - 1) / per_pass passes and the closing one.
+
 The simulator's cache follows `simulator.info_flow`: 'chat' keeps every answer (analyses, plans,
 drafts) in its cache; 'reference' and 'sage' rewind each private answer out of it once read
 (`env.simulator`), so the cache holds the transcript plus the current request only.
@@ -24,6 +31,7 @@ from typing import Iterator
 
 
 from rlver_jax.aot import programs as ap
+from rlver_jax.aot.draft import Draft
 from rlver_jax.parallel.sharding import batch_shards
 from rlver_jax.rl.batch import BatchLayout
 from rlver_jax.sampling.sampler import bucket, window_buckets
@@ -46,7 +54,8 @@ def calls_from_metrics(path: str, step: int | None = None) -> tuple[Calls, dict[
                      "logged, or a step that is not there)")
   row = rows[-1]
   calls = {k[len("calls/"):]: float(v) for k, v in row.items() if k.startswith("calls/")}
-  measured = {k: float(row[k]) for k in ("rollout_seconds", "update_seconds", "step") if k in row}
+  measured = {k: float(row[k]) for k in ("rollout_seconds", "update_seconds", "step",
+                                          "simulator/draft_acceptance") if k in row}
   return calls, measured
 
 
@@ -71,8 +80,9 @@ class StatedLengths:
 class _Cache:
   """One row's lengths in a sampler's cache, emitting the calls the sampler would make."""
 
-  def __init__(self, role: str, section: PolicySpec | SimulatorSpec, calls: Calls):
-    self.role, self.max_len, self.calls = role, section.max_context, calls
+  def __init__(self, role: str, section: PolicySpec | SimulatorSpec, calls: Calls,
+               draft: Draft | None = None):
+    self.role, self.max_len, self.calls, self.draft = role, section.max_context, calls, draft
     self.buckets = tuple(sorted({min(b, self.max_len) for b in section.append_buckets}))
     self.windows = window_buckets(self.max_len)
     self.segment = section.decode_segment
@@ -93,6 +103,8 @@ class _Cache:
   def decode(self, tokens: int, max_new: int, reserve: int = 0) -> None:
     budget = max(min(max_new, self.max_len - reserve - self.length), 0)
     n = min(tokens, budget)
+    if self.draft is not None:
+      return self._verify(n, budget)
     seg = min(self.segment or max_new, max_new)
     for done in range(0, n, seg):  # `Sampler.decode`'s segments, each at its own window
       reach = self.length + done + min(seg, budget - done)
@@ -100,6 +112,18 @@ class _Cache:
       self._add("decode_calls", 1)
     # Cache slots filled when each step reads it (the new token's included): the floor's KV bytes.
     self._add("decode_slots", n * self.length + n * (n + 1) // 2)
+    self.length += n
+    self.peak = max(self.peak, self.length)
+
+
+  def _verify(self, n: int, budget: int) -> None:
+    """A draft-and-verify call of n tokens: one call attends the window of its whole budget."""
+    k, reach = self.draft.tokens, self.length + budget
+    passes = (max(n - 1, 0) / self.draft.per_pass + 1) if n else 0.0
+    self._add(f"verify_passes/W{bucket(max(reach, 1), self.decode_windows)}", passes)
+    draft_window = bucket(min(reach + k, self.max_len), self.decode_windows)
+    self._add(f"draft_steps/W{draft_window}", k * max(passes - 1, 0.0))
+    self._add("verify_calls", 1)
     self.length += n
     self.peak = max(self.peak, self.length)
 
@@ -171,17 +195,21 @@ def waves(spec: RunSpec) -> int:
   return math.ceil(spec.rl.profiles_per_step / groups_at_once)
 
 
-def stated_calls(spec: RunSpec, lengths: StatedLengths, mesh=None) -> Calls:
+def stated_calls(spec: RunSpec, lengths: StatedLengths, mesh=None, draft: Draft | None = None
+                 ) -> Calls:
   """The calls of a step in which every dialogue has `lengths` (one row stands for all), each
-  sampler call repeated for every wave of dialogues (`waves`)."""
+  sampler call repeated for every wave of dialogues (`waves`); the simulator's decodes
+  draft-and-verify with `draft`."""
   calls: Calls = {}
   policy = _Cache("policy", spec.policy, calls)
   samples = _policy_turns(spec, lengths, policy)
   answers = 0
   if spec.simulator.backend == "model":
-    sim = _Cache("simulator", spec.simulator, calls)
+    sim = _Cache("simulator", spec.simulator, calls, draft)
     answers = _simulator_turns(spec, lengths, sim)
     calls["simulator/answer_rounds"] = float(answers)
+    if draft is not None:
+      calls.update(_draft_appends(calls))
   calls["host/text_round_trips"] = float(lengths.turns + answers)
   repeat = waves(spec)
   calls = {key: n * repeat for key, n in calls.items()}
@@ -200,13 +228,46 @@ def stated_calls(spec: RunSpec, lengths: StatedLengths, mesh=None) -> Calls:
   return calls
 
 
+def _draft_appends(calls: Calls) -> Calls:
+  """The draft's appends: every simulator append and prefill goes to both caches."""
+  return {f"simulator_draft/{k.partition('/')[2]}": n for k, n in calls.items()
+          if k.startswith(("simulator/append/", "simulator/prefill/"))}
+
+
+def with_draft(calls: Calls, draft: Draft) -> Calls:
+  """`calls` of a step that decoded without a draft, its simulator decodes turned into
+  draft-and-verify calls at the same windows (each call's steps as its tokens; the draft's window
+  taken as the target's). Calls that hold verify passes already are returned as they are."""
+  if any(k.startswith("simulator/verify_passes/") for k in calls):
+    return dict(calls)
+  out = {k: n for k, n in calls.items() if not k.startswith(("simulator/decode_steps/",
+                                                             "simulator/decode_calls"))}
+  decodes = {k: n for k, n in calls.items() if k.startswith("simulator/decode_steps/W")}
+  if not decodes:
+    return out
+  calls_n = calls.get("simulator/decode_calls", 0.0)
+  steps = sum(decodes.values())
+  for key, n in decodes.items():
+    w = key.rpartition("/W")[2]
+    share = calls_n * n / steps  # the calls, spread over the windows like their steps
+    passes = max(n - share, 0.0) / draft.per_pass + share
+    out[f"simulator/verify_passes/W{w}"] = out.get(f"simulator/verify_passes/W{w}", 0.0) + passes
+    out[f"simulator/draft_steps/W{w}"] = (out.get(f"simulator/draft_steps/W{w}", 0.0)
+                                          + draft.tokens * (passes - share))
+  out["simulator/verify_calls"] = calls_n
+  out.update(_draft_appends(calls))
+  return out
+
+
 def sampler_keys(calls: Calls) -> Iterator[tuple[str, str, int | None, int, float]]:
-  """(role, kind "append" | "decode", T or None, W, count) of each sampler entry of `calls`."""
+  """(role, kind "append" | "decode" | "verify" | "draft", T or None, W, count) of each sampler
+  entry of `calls` (role "simulator_draft": the draft's appends)."""
+  kinds = {"decode_steps": "decode", "verify_passes": "verify", "draft_steps": "draft"}
   for key, n in sorted(calls.items()):
     parts = key.split("/")
-    if parts[0] not in ("policy", "simulator") or not n:
+    if parts[0] not in ("policy", "simulator", "simulator_draft") or not n:
       continue
     if parts[1] in ("append", "prefill"):
       yield parts[0], "append", int(parts[2][1:]), int(parts[3][1:]), n
-    elif parts[1] == "decode_steps":
-      yield parts[0], "decode", None, int(parts[2][1:]), n
+    elif parts[1] in kinds:
+      yield parts[0], kinds[parts[1]], None, int(parts[2][1:]), n

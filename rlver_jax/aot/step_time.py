@@ -14,7 +14,9 @@ XLA's cost analysis counts a loop body once. So the programs are traced with the
 layers (`_depths`), and the cost is extrapolated linearly to the model's depth; the decode's `while_loop` is
 traced as one iteration, so its cost is one decode step. A sampler program's cost is linear in its
 attended window W (keys, values, masks): each is compiled at the smallest and the largest window and
-interpolated.
+interpolated. With a draft (`aot.draft`) the simulator's decode is priced as its verify passes
+(`call_programs.verify_call`, on the simulator's mesh) and the draft's steps
+(`call_programs.draft_step_call`, on the draft's), each compiled like a decode step.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from rlver_jax.aot import programs as ap
 from rlver_jax.aot.chips import ChipSpec
 from rlver_jax.aot.collectives import collective_links, exposed_links
 from rlver_jax.aot.cost_cache import CostCache, fingerprint
+from rlver_jax.aot.draft import Draft
 from rlver_jax.aot.layouts import Layouts
 from rlver_jax.aot.plan import per_device_bytes as plan_bytes
 from rlver_jax.aot.step_calls import Calls, sampler_keys
@@ -219,14 +222,16 @@ class CostModel:
 
   `rows` are the sampler programs' cache rows (default: the rollout's, `programs.rollout_rows`:
   every dialogue of a step, or `rollout.rows` of them, padded to the role's batch shards);
+  `draft`: the simulator's draft (role "simulator_draft", on `layouts.draft`);
   `compile_cost` is swappable so tests can count compiles.
   """
 
   def __init__(self, spec: RunSpec, layouts: Layouts, *,
                layout: str = ap.TPU_CACHE_LAYOUT, rows: int | None = None,
                compile_cost: Callable = compiled_cost, cache: CostCache | None = None,
-               log: Callable[[str], None] = lambda _: None):
+               log: Callable[[str], None] = lambda _: None, draft: Draft | None = None):
     self.spec, self.layouts, self.layout, self.log = spec, layouts, layout, log
+    self.draft = draft
     self.mesh = layouts.train
     self._rows = rows
     self.compile_cost = compile_cost
@@ -250,26 +255,43 @@ class CostModel:
       self.log(f"compiled {key}: {self._kept[key]}")
     return self._kept[key]
 
+  def _role(self, role: str):
+    """(model, rows, max_len, max_new) of a sampler role: "policy", "simulator" or its draft."""
+    if role != "simulator_draft":
+      return ap._sampler_role(self.spec, role)
+    if self.draft is None:
+      raise ValueError("the calls price a simulator draft, but no draft is given (--draft_preset)")
+    s = self.spec.simulator
+    return self.draft.model, None, s.max_context, s.max_new_tokens
+
   def _shape(self, role: str, layers: int) -> cp.SamplerShape:
-    model, _, max_len, max_new = ap._sampler_role(self.spec, role)
+    model, _, max_len, max_new = self._role(role)
     return cp.SamplerShape(cp.with_layers(model, layers), self.rows(role), max_len, max_new, self.layout)
 
   def _layers(self, role: str) -> int:
-    model = ap.policy_model(self.spec) if role == "policy" else ap.simulator_model(self.spec)
-    return ap.model_config(model).num_layers
+    if role == "policy":
+      return ap.model_config(ap.policy_model(self.spec)).num_layers
+    return ap.model_config(self._role(role)[0]).num_layers
 
   def sampler_call(self, role: str, kind: str, tokens: int | None, window: int) -> Cost:
-    """One append chunk of `tokens` (kind "append") or one decode step ("decode") at `window`."""
-    max_len = (self.spec.policy if role == "policy" else self.spec.simulator).max_context
+    """One append chunk of `tokens` (kind "append"), one decode step ("decode"), one verify pass
+    of k + 1 positions ("verify") or one step of the simulator's draft ("draft") at `window`."""
+    if kind == "draft":
+      role = "simulator_draft"
+    max_len = self._role(role)[2]
     windows = window_buckets(max_len)
     ends = (windows[0], windows[-1]) if len(windows) > 1 else (windows[0],)
     L = self._layers(role)
     mesh = self.layouts.for_role(role)
+    if kind == "verify":
+      tokens = self.spec.simulator.draft_tokens + 1
 
     def at(layers: int, w: int) -> Cost:
       shape = self._shape(role, layers)
-      build = ((lambda: cp.decode_call(shape, w, mesh)) if kind == "decode"
-               else (lambda: cp.append_call(shape, tokens, w, mesh)))
+      build = {"decode": lambda: cp.decode_call(shape, w, mesh),
+               "verify": lambda: cp.verify_call(shape, tokens - 1, w, mesh),
+               "draft": lambda: cp.draft_step_call(shape, w, mesh),
+               "append": lambda: cp.append_call(shape, tokens, w, mesh)}[kind]
       return self._cost((role, kind, tokens, w, layers), build, mesh)
 
     by_window = {}
@@ -284,7 +306,7 @@ class CostModel:
     """The least one layer adds to a sampler call on a device: its weight shard, and the keys
     and values of the device's cache rows through `window` slots."""
     if role not in self._layer_bytes:
-      model, _, max_len, _ = ap._sampler_role(self.spec, role)
+      model, _, max_len, _ = self._role(role)
       mesh = self.layouts.for_role(role)
       def held(layers: int) -> tuple[int, int]:
         m = cp.with_layers(model, layers)
@@ -369,8 +391,8 @@ def estimate(model: CostModel, calls: Calls, chip: ChipSpec, only: tuple[str, ..
       cost = dataclasses.replace(cost, exposed_bytes=0.0, exposed_ops=0.0, exposed_hops=0.0)
     phases[phase].add(cost, n, chip, fractions)
 
-  for role, kind, tokens, window, n in sorted(sampler_keys(calls), key=lambda k: k[1] != "decode"):
-    phase = f"{role} decode" if kind == "decode" else "prefills"
+  for role, kind, tokens, window, n in sorted(sampler_keys(calls), key=lambda k: k[1] == "append"):
+    phase = f"{role} decode" if kind != "append" else "prefills"
     if phase in phases:
       add(phase, model.sampler_call(role, kind, tokens, window), n)
   micro = calls.get("update/micro_batches", 0.0)
@@ -383,3 +405,10 @@ def estimate(model: CostModel, calls: Calls, chip: ChipSpec, only: tuple[str, ..
   if model.layouts.policy_copy and "reshard" in phases:  # once per step, after the update
     add("reshard", model.reshard(), 1)
   return phases
+
+
+def forecast_from(phases: dict[str, PhaseTime], other: dict[str, PhaseTime]) -> None:
+  """Each phase's forecast replaced by `other`'s: the roofline of one call layout (a bound at
+  full budgets) beside the forecast of another (the lengths a real run uses)."""
+  for name, p in phases.items():
+    p.forecast = other[name].forecast

@@ -6,7 +6,10 @@
       --calls_from=... --chip_flops=6.1e10 --chip_bandwidth=1.2e10     # this machine, measured peaks
 
 Without --calls_from the calls are laid out from stated lengths (--turns, --policy_tokens, ...; each
-defaults to the config's budget, a lockstep step in which every turn uses its whole budget).
+defaults to the config's budget, a lockstep step in which every turn uses its whole budget): the
+roofline, a bound. The forecast prices the tokens a turn of a real run uses (--mean_policy_tokens,
+--mean_simulator_tokens; `MEAN_SOURCES`). With a simulator draft (simulator.draft_checkpoint, or
+--draft_preset as a what-if) the simulator decodes draft-and-verify at --draft_acceptance (`aot.draft`).
 The forecast's assumptions are flags too (--memory_fraction, ...: `aot.forecast.Assumptions`), and
 compiled programs' costs are kept in --cost_cache (`aot.cost_cache`).
 """
@@ -20,6 +23,7 @@ from absl import flags
 
 from rlver_jax.aot import plan as run_plan
 from rlver_jax.aot import programs as ap
+from rlver_jax.aot import draft as aot_draft
 from rlver_jax.aot import floor, forecast, step_calls, step_time
 from rlver_jax.aot.cost_cache import DEFAULT_DIR, CostCache
 from rlver_jax.aot import target as aot_target
@@ -56,9 +60,85 @@ _LENGTH_FLAGS = {k: flags.DEFINE_integer(k, None, f"{doc} (stated-lengths mode)"
                  for k, (doc, _) in _LENGTHS.items()}
 
 
+_MEAN = {k: flags.DEFINE_integer(f"mean_{k}", None, f"Forecast: {doc} in a real run (default: "
+                                  "the stated length, see MEAN_SOURCES)")
+         for k, doc in (("policy_tokens", "decode steps of a policy turn"),
+                        ("simulator_tokens", "decode steps of a simulator answer"))}
+# Where each forecast length comes from when its flag is not given. The paper states no mean
+# response length of either side (../shared/docs/RLVER_SPEC.md has none): the budget stands in.
+MEAN_SOURCES = {"policy_tokens": "the budget: RLVER reports no mean policy reply length",
+                "simulator_tokens": "the budget: RLVER reports no mean simulator answer length"}
+_DRAFT_PRESET = flags.DEFINE_string(
+    "draft_preset", None, "The simulator's draft architecture (e.g. qwen2.5-0.5b) when "
+    "simulator.draft_checkpoint has no config.json readable here; without the key, prices a draft "
+    "as a what-if.")
+_DRAFT_ACCEPTANCE = flags.DEFINE_float(
+    "draft_acceptance", None, "Per-token acceptance of the draft's proposals (default: a recorded "
+    f"step's simulator/draft_acceptance with --calls_from, else {aot_draft.DEFAULT_ACCEPTANCE:g}; "
+    "see rlver_jax.aot.draft).")
+
+
 def stated_lengths(spec: RunSpec) -> step_calls.StatedLengths:
   return step_calls.StatedLengths(**{k: f.value if f.value is not None else _LENGTHS[k][1](spec)
                                      for k, f in _LENGTH_FLAGS.items()})
+
+
+def forecast_lengths(lengths: step_calls.StatedLengths) -> tuple[step_calls.StatedLengths, str]:
+  """The lengths the forecast prices (the bound's, with the mean flags' values), and a line saying
+  where each comes from."""
+  values, said = {}, []
+  for k, f in _MEAN.items():
+    values[k] = f.value if f.value is not None else getattr(lengths, k)
+    why = f"--mean_{k}" if f.value is not None else MEAN_SOURCES[k]
+    said.append(f"{k.replace('_tokens', '')} {values[k]:,} tokens a turn ({why})")
+  return dataclasses.replace(lengths, **values), (
+      "forecast lengths: " + "; ".join(said) + ". In lockstep a turn decodes until its longest row "
+      "stops, so a mean under the budget prices fewer decode steps than a lockstep step takes.")
+
+
+def draft_model(spec: RunSpec):
+  """The simulator's draft as the aot programs build it (`aot.draft.draft_shape`), or None."""
+  try:
+    return aot_draft.draft_shape(spec, _DRAFT_PRESET.value)
+  except ValueError as e:
+    raise AotError(str(e)) from None
+
+
+def _draft(spec: RunSpec, found, measured: dict[str, float]) -> aot_draft.Draft | None:
+  if found is None:
+    if _DRAFT_ACCEPTANCE.value is not None:
+      raise AotError("--draft_acceptance: no draft to price (set simulator.draft_checkpoint or "
+                     "--draft_preset)")
+    return None
+  k = spec.simulator.draft_tokens
+  ratio = measured.get("simulator/draft_acceptance")
+  if _DRAFT_ACCEPTANCE.value is not None:
+    a, why = _DRAFT_ACCEPTANCE.value, "--draft_acceptance"
+  elif ratio is not None:
+    a = aot_draft.acceptance_from_ratio(ratio, k)
+    why = f"from the recorded simulator/draft_acceptance {ratio:.3f} (kept / proposed at k={k})"
+  else:
+    a, why = aot_draft.DEFAULT_ACCEPTANCE, "default: published Qwen2.5-0.5B pairs, docs/PERFORMANCE.md"
+  try:
+    return aot_draft.Draft(found[0], k, a, source=f"{found[0].preset} from {found[1]}; a = {a:.3f} "
+                           f"({why})")
+  except ValueError as e:
+    raise AotError(str(e)) from None
+
+
+def draft_line(spec: RunSpec, draft: aot_draft.Draft, layouts) -> str:
+  """The draft's assumptions, for under the table."""
+  vocab = {m: ap.model_config(m).vocab_size for m in (draft.model, ap.simulator_model(spec))}
+  d, s = vocab[draft.model], vocab[ap.simulator_model(spec)]
+  clash = (f"; its vocabulary ({d:,}) differs from the simulator's ({s:,}): a run refuses the pair"
+           if d != s else "")
+  return (f"draft: {draft.source}; on {layouts.shape('simulator_draft')} (data x fsdp x tensor); "
+          f"k = {draft.tokens} proposals a verify pass, {draft.per_pass:.2f} tokens a pass = "
+          f"(1 - a^(k+1)) / (1 - a) (i.i.d. acceptance, Leviathan et al. 2023), kept share "
+          f"{aot_draft.kept_share(draft.acceptance, draft.tokens):.3f}; an answer of n tokens takes "
+          "(n - 1) / that + 1 passes (the lockstep batch's slowest row takes more: not priced) and "
+          "k draft steps a pass but the closing one, in one call per answer (no decode segments); "
+          f"the draft's appends are priced with the prefills{clash}")
 
 
 def assumptions() -> forecast.Assumptions:
@@ -89,15 +169,28 @@ def _chip(devices) -> ChipSpec:
                              bytes_per_s=_BANDWIDTH.value or nominal.bytes_per_s)
 
 
-def _calls(spec: RunSpec, mesh):
+def _calls(spec: RunSpec, mesh, found):
+  """(the bound's calls, the forecast's calls, measured seconds, where they come from, the draft,
+  notes for under the table)."""
   if _CALLS_FROM.value is None:
+    draft = _draft(spec, found, {})
     lengths = stated_lengths(spec)
-    return step_calls.stated_calls(spec, lengths, mesh), {}, f"stated lengths {lengths}"
+    mean, note = forecast_lengths(lengths)
+    calls = step_calls.stated_calls(spec, lengths, mesh, draft)
+    at_mean = calls if mean == lengths else step_calls.stated_calls(spec, mean, mesh, draft)
+    return calls, at_mean, {}, f"stated lengths {lengths}", draft, [note]
+  given = [f"--mean_{k}" for k, f in _MEAN.items() if f.value is not None]
+  if given:
+    raise AotError(f"{given[0]}: stated lengths only (--calls_from prices the recorded step)")
   path, sep, step = _CALLS_FROM.value.rpartition(":")
   if not (sep and step.isdigit()):
     path, step = _CALLS_FROM.value, ""
   calls, measured = step_calls.calls_from_metrics(path, int(step) if step else None)
-  return calls, measured, f"calls recorded in {path} (step {int(measured.get('step', 0))})"
+  draft = _draft(spec, found, measured)
+  if draft is not None:
+    calls = step_calls.with_draft(calls, draft)
+  source = f"calls recorded in {path} (step {int(measured.get('step', 0))})"
+  return calls, calls, measured, source, draft, []
 
 
 def run_estimate(spec: aot_target.Target, topology: str) -> str:
@@ -112,30 +205,36 @@ def run_estimate(spec: aot_target.Target, topology: str) -> str:
   devices = _devices(topology)
   layout = default_layout("cpu") if topology == "cpu" else ap.TPU_CACHE_LAYOUT
   hbm = None if topology == "cpu" else hbm_per_device(devices)
-  layouts = run_layouts(spec, devices, None, hbm)
+  found = draft_model(spec)
+  layouts = run_layouts(spec, devices, None, hbm, found and found[0])
   chip = _chip(devices)
   cache = CostCache(_CACHE.value) if _CACHE.value else None
   a = assumptions()
   try:
-    calls, measured, source = _calls(spec, layouts.train)
-    model = step_time.CostModel(spec, layouts, layout=layout, cache=cache,
+    calls, at_mean, measured, source, draft, notes = _calls(spec, layouts.train, found)
+    model = step_time.CostModel(spec, layouts, layout=layout, cache=cache, draft=draft,
                                 log=lambda line: print(line, file=sys.stderr, flush=True))
   except ValueError as e:
     raise AotError(str(e)) from None
   unknown = [p for p in _PHASES.value if p not in step_time.PHASES]
   if unknown:
     raise AotError(f"--phases: unknown phase {unknown[0]!r}; known: {', '.join(step_time.PHASES)}")
-  phases = step_time.estimate(model, calls, chip, tuple(_PHASES.value),
-                              fractions=(a.flops_fraction, a.memory_fraction))
-  extra = forecast.extras(spec, calls, phases, layouts, a, recorded=_CALLS_FROM.value is not None)
+  fractions = (a.flops_fraction, a.memory_fraction)
+  phases = step_time.estimate(model, calls, chip, tuple(_PHASES.value), fractions=fractions)
+  if at_mean is not calls:
+    step_time.forecast_from(phases, step_time.estimate(model, at_mean, chip, tuple(_PHASES.value),
+                                                       fractions=fractions))
+  if draft is not None:
+    notes.append(draft_line(spec, draft, layouts))
+  extra = forecast.extras(spec, at_mean, phases, layouts, a, recorded=_CALLS_FROM.value is not None)
   rows = ", ".join(f"{r} {model.rows(r)}" for r in ("policy", "simulator"))
   table = forecast.format_estimate(phases, chip, measured, header=(
       f"step-time model on {topology} ({layouts.describe()}; cache rows {rows}, {layout_word(spec)}; "
       f"simulator.info_flow {spec.simulator.info_flow!r}), {source}; {model.compiles} programs "
       f"costed{'; ' + cache.describe() if cache else ''}"),
       layouts=forecast.phase_layouts(layouts), extra=extra, a=a,
-      programs=forecast.compile_programs(calls, phases), raised=len(model.raised))
-  return table + _floors(spec, calls, phases, model, layouts, chip, len(devices))
+      programs=forecast.compile_programs({**calls, **at_mean}, phases), raised=len(model.raised))
+  return "\n".join([table, *notes]) + _floors(spec, calls, phases, model, layouts, chip, len(devices))
 
 
 def _floors(spec, calls, phases, model, layouts, chip, n) -> str:

@@ -18,16 +18,15 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
 
-from rlver_jax.build import check_context
+from rlver_jax import build
 from rlver_jax.cli.errors import exit_on
-from rlver_jax.models import load_pretrained
 from rlver_jax.models.io import hub, storage
-from rlver_jax.models.presets import param_dtype_of
 from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
 from rlver_jax.run.workdir import refuse_training_workdir
 from rlver_jax.cli.flags import parse_flags
 from rlver_jax.sampling.sampler import Sampler
 from rlver_jax.sampling.strategies import SamplingParams
+from rlver_jax.spec.sections import PolicySpec
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "HF safetensors directory or Hub id ORG/NAME[@REV] "
                                   "(default: embedded model).")
@@ -167,9 +166,12 @@ def _generate():
   if not _INTERACTIVE.value:
     ids = _prompt_ids(chat, _PROMPT.value, _SYSTEM.value, _CHAT.value)
     _check_prompt(ids)  # before the model loads
-  model, _ = load_pretrained(checkpoint, dtype=param_dtype_of(_DTYPE.value))
-  check_context(model.config.max_position_embeddings, _MAX_LEN.value, "--max_len")
-  sampler = Sampler(model, max_len=_MAX_LEN.value, stop_ids=chat.stop_ids, pad_id=chat.pad_id)
+  # The run's own assembly (build): the model and its sampler as an evaluation would load them.
+  policy = PolicySpec(checkpoint=checkpoint, param_dtype=_DTYPE.value, compute_dtype=_DTYPE.value,
+                      max_context=_MAX_LEN.value)
+  model, _, _ = build.load_policy(policy, mesh=None)
+  build.check_context(model.config.max_position_embeddings, _MAX_LEN.value, "--max_len")
+  sampler = build.policy_sampler(model, chat, policy, mesh=None)
   params = nnx.state(model)
   rng = jax.random.key(_SEED.value)
   if _INTERACTIVE.value:

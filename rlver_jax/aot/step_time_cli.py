@@ -64,10 +64,13 @@ _MEAN = {k: flags.DEFINE_integer(f"mean_{k}", None, f"Forecast: {doc} in a real 
                                   "the stated length, see MEAN_SOURCES)")
          for k, doc in (("policy_tokens", "decode steps of a policy turn"),
                         ("simulator_tokens", "decode steps of a simulator answer"))}
-# Where each forecast length comes from when its flag is not given. The paper states no mean
-# response length of either side (../shared/docs/RLVER_SPEC.md has none): the budget stands in.
-MEAN_SOURCES = {"policy_tokens": "the budget: RLVER reports no mean policy reply length",
-                "simulator_tokens": "the budget: RLVER reports no mean simulator answer length"}
+# Where each forecast length comes from when its flag is not given: the stated length (--policy_tokens,
+# ...: the budget unless given). The paper states no mean response length of either side
+# (../shared/docs/RLVER_SPEC.md has none).
+MEAN_SOURCES = {"policy_tokens": "as stated, by default the budget: RLVER reports no mean policy "
+                                 "reply length",
+                "simulator_tokens": "as stated, by default the budget: RLVER reports no mean "
+                                    "simulator answer length"}
 _DRAFT_PRESET = flags.DEFINE_string(
     "draft_preset", None, "The simulator's draft architecture (e.g. qwen2.5-0.5b) when "
     "simulator.draft_checkpoint has no config.json readable here; without the key, prices a draft "

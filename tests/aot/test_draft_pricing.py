@@ -1,6 +1,7 @@
 """Pricing a simulator draft and the forecast's lengths: the acceptance arithmetic, the call layout
 with a draft against hand counts, costs times calls with fixed costs, the programs' routing to the
 draft's model and mesh (traced on CPU, not compiled for TPU), the draft in the memory plan."""
+import importlib.util
 import json
 import types
 
@@ -121,7 +122,8 @@ def test_forecast_lengths_come_from_the_mean_flags_or_the_budget():
     mean, note = step_time_cli.forecast_lengths(_LENGTHS)
   assert mean == step_calls.StatedLengths(2, 20, 20, 30, 40, 100, 120, 30)
   assert "policy 20 tokens a turn (--mean_policy_tokens)" in note
-  assert "simulator 40 tokens a turn (the budget: RLVER reports no mean simulator answer" in note
+  assert ("simulator 40 tokens a turn (as stated, by default the budget: RLVER reports no mean "
+          "simulator answer length)") in note
   assert step_time_cli.forecast_lengths(_LENGTHS)[0] == _LENGTHS
 
 
@@ -207,3 +209,31 @@ def test_the_memory_plan_holds_the_draft(tiny_preset):
     assert state[phase]["draft KV cache"] == state[phase]["simulator KV cache"] > 0
   plain = run_plan.resident_state(spec, aot_layouts.resolve(spec, devices, train, None))
   assert "draft params" not in plain["rollout"] and "draft KV cache" not in plain["update"]
+
+
+_needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                   reason='libtpu is not installed (pip install "jax[tpu]==0.12.0.1")')
+
+
+@_needs_libtpu
+def test_cli_prices_a_tiny_draft_on_four_v5e_chips(tiny_preset, capsys):
+  """The tiny run with the tiny simulator as its own draft: the verify and draft programs compile
+  for TPU (no loop left), and the table's notes say what was assumed."""
+  import test_aot  # pylint: disable=import-outside-toplevel
+  from rlver_jax.aot import cli  # pylint: disable=import-outside-toplevel
+  flags.FLAGS.mark_as_parsed()
+  config = test_aot._tiny_run()
+  config.simulator.decode_segment = 0
+  lengths = dict(turns=2, policy_tokens=16, reply_tokens=8, user_tokens=8, simulator_tokens=16,
+                 policy_prompt=32, simulator_prompt=32, instruction_tokens=8)
+  with flagsaver.flagsaver(estimate_time=True, topology="v5e:2x2", draft_preset="aot-test-tiny:1",
+                           cost_cache="", phases=["simulator decode"], mean_simulator_tokens=10,
+                           **lengths):
+    cli._run(config)
+  out = capsys.readouterr().out
+  assert "simulator decode 2x1x2, draft decode 2x1x2 (data x fsdp x tensor)" in out
+  # 4 answers of 16 tokens: 15 / 2.31 + 1 passes and 4 x 15 / 2.31 draft steps each.
+  assert f"| simulator decode | 2x1x2 | {4 * (1 + 5 * 15 / _TAU):,.0f} |" in out
+  assert "simulator 10 tokens a turn (--mean_simulator_tokens)" in out
+  assert "draft: aot-test-tiny:1 from --draft_preset=aot-test-tiny:1; a = 0.600 (default" in out
+  assert "k = 4 proposals a verify pass, 2.31 tokens a pass" in out

@@ -188,11 +188,50 @@ def simulator_mesh(sim: SimulatorSpec, train: MeshConfig, train_mesh) -> tuple[o
                      param_dtype_of(sim.dtype), "simulator", int8_weights=sim.weight_dtype == "int8")
 
 
+def draft_config(sim: SimulatorSpec) -> Qwen2Config:
+  """The simulator's draft model config (config.simulator.draft_checkpoint), checked against the
+  simulator's: the same vocabulary (the verify rule compares their distributions token by token)
+  and room for simulator.max_context."""
+  key = "config.simulator.draft_checkpoint"
+  config = read_config(resolve_checkpoint(sim.draft_checkpoint, "simulator.draft_checkpoint"))
+  target = simulator_config(sim)
+  if config.vocab_size != target.vocab_size:
+    raise ConfigError(f"{key}={sim.draft_checkpoint!r} has a vocabulary of {config.vocab_size} "
+                      f"tokens, config.simulator.checkpoint={sim.checkpoint!r} {target.vocab_size}: "
+                      "a draft needs the simulator's vocabulary")
+  check_context(config.max_position_embeddings, sim.max_context,
+                f"config.simulator.max_context (the draft {sim.draft_checkpoint!r})")
+  return config
+
+
+def draft_mesh(sim: SimulatorSpec, train: MeshConfig, train_mesh) -> tuple[object, str]:
+  """(mesh, description) of the draft's decode layout (config.simulator.draft_mesh: 'auto' is the
+  resolver's choice for the draft model); (None, 'no draft') without one."""
+  if sim.backend != "model" or not sim.draft_checkpoint:
+    return None, "no draft"
+  return decode_mesh(sim.draft_mesh, "simulator.draft_mesh", draft_config(sim), train, train_mesh,
+                     param_dtype_of(sim.dtype), "simulator draft")
+
+
+def _load_draft(sim: SimulatorSpec, mesh):
+  """(the draft's sampler, its params) in `mesh`, the simulator's dtype and cache length."""
+  path = resolve_checkpoint(sim.draft_checkpoint, "simulator.draft_checkpoint")
+  draft_config(sim)  # checked before the weights load
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    model, _ = load_pretrained(path, dtype=param_dtype_of(sim.dtype), mesh=mesh)
+  chat = ChatTokens(load_tokenizer(path))
+  # Stop ids and padding are the simulator's (the speculative decode applies the target's).
+  sampler = Sampler(model, max_len=sim.max_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
+                    append_buckets=sim.append_buckets, mesh=mesh, window_step=sim.window_step)
+  return sampler, nnx.state(model)
+
+
 def simulator_backend(sim: SimulatorSpec, mesh, *, seed: int, share_prefix: bool = True,
-                      rows: int = 0):
+                      rows: int = 0, draft_mesh=None):
   """The simulated user's text generator named by config.simulator.backend (its own frozen weights
   on `mesh`, its decode layout: `simulator_mesh`; a model backend samples from `seed`, on at most
-  `rows` cache rows: config.rollout.rows)."""
+  `rows` cache rows: config.rollout.rows). A draft (simulator.draft_checkpoint) loads into
+  `draft_mesh` (`draft_mesh` above)."""
   if sim.backend == "scripted":
     return sim_backends.ScriptedBackend()
   if sim.backend == "http":
@@ -201,9 +240,6 @@ def simulator_backend(sim: SimulatorSpec, mesh, *, seed: int, share_prefix: bool
         temperature=sim.temperature, top_p=sim.top_p, max_tokens=sim.max_new_tokens,
         timeout_s=sim.http_timeout_s, deadline_s=sim.http_deadline_s,
         max_attempts=sim.http_max_attempts, max_concurrency=sim.http_max_concurrency)
-  if sim.draft_checkpoint:
-    raise ConfigError(f"config.simulator.draft_checkpoint={sim.draft_checkpoint!r}: speculative "
-                      "decoding is not yet supported in runs (leave it '')")
   path = resolve_checkpoint(sim.checkpoint, "simulator.checkpoint")
   simulator_config(sim)  # checked before the weights load
   # Born sharded on its own mesh, where it stays: loading and decoding run under it.
@@ -215,10 +251,12 @@ def simulator_backend(sim: SimulatorSpec, mesh, *, seed: int, share_prefix: bool
                     append_buckets=sim.append_buckets, mesh=mesh,
                     decode_segment=sim.decode_segment, window_step=sim.window_step,
                     cache_dtype=jnp.int8 if sim.kv_dtype == "int8" else None)
+  draft, draft_params = _load_draft(sim, draft_mesh) if sim.draft_checkpoint else (None, None)
   return ModelBackend(sampler, nnx.state(model), chat, max_new_tokens=sim.max_new_tokens,
                       sampling=SamplingParams.make(sim.temperature, sim.top_p, sim.top_k),
                       seed=seed + 1, share_prefix=share_prefix, stop_at_lines=sim.stop_at_lines,
-                      rows=rows)
+                      rows=rows, draft=draft, draft_params=draft_params,
+                      draft_tokens=sim.draft_tokens)
 
 
 @dataclasses.dataclass
@@ -227,7 +265,8 @@ class RunParts:
   simulator backend; for training also the policy's decode copy, the critic and the updaters (the
   run's state, parameters and optimizer states, stays the Trainer's)."""
   mesh: jax.sharding.Mesh | None  # the training layout's
-  layouts: dict[str, str]  # "train", "policy_rollout", "simulator" -> description (provenance.json)
+  # "train", "policy_rollout", "simulator" (and "simulator_draft") -> description (provenance.json)
+  layouts: dict[str, str]
   policy: Qwen2
   chat: ChatTokens
   policy_path: str  # the checkpoint directory it loaded from
@@ -262,12 +301,17 @@ def assemble(spec: RunSpec | EvaluationSpec) -> RunParts:
       decode_copy = None
     sampler = policy_sampler(policy, chat, spec.policy, rollout_mesh)
     sim_mesh, layouts["simulator"] = simulator_mesh(spec.simulator, spec.mesh, mesh)
+    sim_draft_mesh, draft_layout = draft_mesh(spec.simulator, spec.mesh, mesh)
+    if spec.simulator.draft_checkpoint:
+      layouts["simulator_draft"] = draft_layout
     if not training:
-      backend = simulator_backend(spec.simulator, sim_mesh, seed=spec.seed)
+      backend = simulator_backend(spec.simulator, sim_mesh, seed=spec.seed,
+                                  draft_mesh=sim_draft_mesh)
       return RunParts(mesh=mesh, layouts=layouts, policy=policy, chat=chat, policy_path=path,
                       sampler=sampler, backend=backend)
     backend = simulator_backend(spec.simulator, sim_mesh, seed=spec.seed,
-                                share_prefix=spec.rl.share_prefix, rows=spec.rollout.rows)
+                                share_prefix=spec.rl.share_prefix, rows=spec.rollout.rows,
+                                draft_mesh=sim_draft_mesh)
     loss_cfg = spec.loss_config()
     policy_up = Updater(policy, make_optimizer(spec.optim.optim_config()), "policy", loss_cfg)
     critic = critic_up = None

@@ -183,6 +183,10 @@ class HistoryBackend:
   def take_counts(self) -> dict[str, int]:
     return {}
 
+  def take_draft_metrics(self) -> dict[str, float]:
+    """A draft model's acceptance since the last call, then zeroed (a model backend's; else {})."""
+    return {}
+
   def server(self) -> str:
     return type(self).__name__
 

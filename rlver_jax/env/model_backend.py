@@ -11,6 +11,10 @@ and holds it until `release`; every method addresses dialogues, `_slot` maps the
 Each dialogue then samples from its own key stream (`scheduler.dialogue_keys`), so its answers do
 not depend on its slot or on the other dialogues. Without it dialogue d is slot d and each decode
 draws from one key (the lockstep rollout).
+
+With a draft (`sampling.speculative`, config.simulator.draft_checkpoint) a second cache holds the
+same tokens in the draft model: every append, row copy and rewind goes to both, and decodes are
+draft-and-verify; `take_draft_metrics` reports the draft's acceptance since the last take.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from rlver_jax.env.expected_change import ChangeScorer
 from rlver_jax.env.scheduler import RowSlots, dialogue_keys
 from rlver_jax.models.tokenizer import ChatTokens
 from rlver_jax.sampling.sampler import Sampler
+from rlver_jax.sampling.speculative import SpeculativeSampler
 from rlver_jax.sampling.strategies import SamplingParams
 from rlver_jax.parallel.sharding import host_array
 
@@ -38,10 +43,13 @@ class ModelBackend(HistoryBackend):
 
   def __init__(self, sampler: Sampler, params, chat: ChatTokens, *, max_new_tokens: int,
                sampling: SamplingParams, seed: int = 0, share_prefix: bool = True,
-               stop_at_lines: bool = False, rows: int = 0):
+               stop_at_lines: bool = False, rows: int = 0, draft: Sampler | None = None,
+               draft_params=None, draft_tokens: int = 4):
     """`share_prefix`: `clone_rows` copies KV rows (True) or prefills the copied tokens again.
     `stop_at_lines`: each answer's decode ends with its change / reply line (`answer_stops`).
-    `rows`: at most this many cache rows, lent to dialogues while they run (0: one per dialogue)."""
+    `rows`: at most this many cache rows, lent to dialogues while they run (0: one per dialogue).
+    `draft`: a sampler of a model with the same vocabulary that proposes `draft_tokens` tokens
+    per verify pass (its params `draft_params`); None: plain decodes."""
     super().__init__()
     if rows < 0:
       raise ValueError(f"rollout.rows={rows}: must be >= 0 (0 = a cache row per dialogue)")
@@ -62,6 +70,10 @@ class ModelBackend(HistoryBackend):
     self.rng = jax.random.key(seed)
     self.cache = None
     self.logits = None
+    self.spec = None if draft is None else SpeculativeSampler(sampler, draft, draft_tokens)
+    self.draft_params = draft_params
+    self.draft_cache = None
+    self._draft_counts = np.zeros(4, np.int64)  # proposed, accepted, target passes, tokens
     self.closed: list[bool] = []  # per row: whether the last generated turn ended with <|im_end|>
     self.tokens: list[list[int]] = []  # per row: every token id in its cache, in order
     self.full: list[bool] = []  # per row: a request did not fit; the row answers "" from then on
@@ -79,11 +91,13 @@ class ModelBackend(HistoryBackend):
     self.calls = [0] * num_rows
     if self.slots is not None:  # this batch's streams, new even without a reseed
       self.rng, self._base = jax.random.split(self.rng)
-    rows = self.sampler.padded_rows(lent)  # inactive rows up to a fully sharded batch
+    rows = self._padded_rows(lent)  # inactive rows up to a fully sharded batch
     if self.cache is None or self.cache.batch_size != rows:
-      self.cache = None  # freed before the new one is allocated: at 72B each is tens of GiB a chip
+      self.cache = self.draft_cache = None  # freed first: at 72B each is tens of GiB a chip
       self.cache = self.sampler.init_cache(rows)
-    self.cache = self.cache.with_lengths(np.zeros(rows, np.int32))
+      if self.spec is not None:
+        self.draft_cache = self.spec.draft.init_cache(rows)
+    self._set_lengths(np.zeros(rows, np.int32))
     self.logits = self.sampler.empty_logits(rows)
     self.closed = [True] * num_rows
     self.tokens = [[] for _ in range(num_rows)]
@@ -91,6 +105,48 @@ class ModelBackend(HistoryBackend):
     self.answered = [False] * num_rows
     self.ends = [{} for _ in range(num_rows)]
     self.answers = [(0, 0)] * num_rows
+
+  def _padded_rows(self, lent: int) -> int:
+    """Cache rows that both models' meshes shard fully (the draft's may split rows differently)."""
+    rows = self.sampler.padded_rows(lent)
+    while self.spec is not None and self.spec.draft.padded_rows(rows) != rows:
+      rows = self.sampler.padded_rows(self.spec.draft.padded_rows(rows))
+    return rows
+
+  def _set_lengths(self, lengths: np.ndarray) -> None:
+    """Rewinds (or resets) every cache row to `lengths`, the draft's too."""
+    self.cache = self.cache.with_lengths(lengths)
+    if self.spec is not None:
+      self.draft_cache = self.draft_cache.with_lengths(lengths)
+
+  def _append(self, rows: list[list[int]]) -> None:
+    if self.spec is None:
+      self.cache, self.logits = self.sampler.append(self.params, self.cache, rows, self.logits)
+      return
+    (self.cache, self.draft_cache), self.logits = self.spec.append(
+        self.params, self.draft_params, (self.cache, self.draft_cache), rows, self.logits)
+
+  def _decode(self, rng, active: np.ndarray, rules):
+    kw = dict(rng=rng, max_new_tokens=self.max_new_tokens, sampling=self.sampling, active=active,
+              stop_rules=rules)
+    if self.spec is None:
+      return self.sampler.decode(self.params, self.cache, self.logits, **kw)
+    out = self.spec.decode(self.params, self.draft_params, (self.cache, self.draft_cache),
+                           self.logits, **kw)
+    self.draft_cache = out.draft_cache
+    self._draft_counts += [out.proposed.sum(), out.accepted.sum(), out.passes.sum(),
+                           out.decode.num_tokens.sum()]
+    return out.decode
+
+  def take_draft_metrics(self) -> dict[str, float]:
+    """`simulator/draft_acceptance` (kept / proposed draft tokens) and `simulator/tokens_per_verify`
+    (generated tokens / target passes) since the last take, then zeroed; {} without a draft."""
+    if self.spec is None:
+      return {}
+    proposed, accepted, passes, tokens = (float(x) for x in self._draft_counts)
+    self._draft_counts[:] = 0
+    return {"simulator/draft_acceptance": accepted / max(proposed, 1.0),
+            "simulator/tokens_per_verify": tokens / max(passes, 1.0)}
 
   def is_full(self, row: int) -> bool:
     return self.full[row]
@@ -108,14 +164,17 @@ class ModelBackend(HistoryBackend):
       held = self.slots.take(row)
       lengths = host_array(self.cache.lengths).copy()
       lengths[held] = 0
-      self.cache = self.cache.with_lengths(lengths)
+      self._set_lengths(lengths)
     return held
 
   def clone_rows(self, sources: dict[int, int]) -> None:
     """Copies the rows' contexts and KV cache rows: the copies' shared prefix is computed once."""
     super().clone_rows(sources)
     slots = {self._slot(dst): self._slot(src) for dst, src in sources.items()}
-    if self.share_prefix:
+    if self.share_prefix and self.spec is not None:
+      (self.cache, self.draft_cache), self.logits = self.spec.copy_rows(
+          (self.cache, self.draft_cache), self.logits, slots)
+    elif self.share_prefix:
       self.cache, self.logits = self.sampler.copy_rows(self.cache, self.logits, slots)
     else:  # the same tokens, computed again for each copy
       rows = [[] for _ in range(self.cache.batch_size)]
@@ -123,8 +182,8 @@ class ModelBackend(HistoryBackend):
       for dst, src in sources.items():
         rows[self._slot(dst)], lengths[self._slot(dst)] = self.tokens[src], 0
         self.prefill_tokens += len(self.tokens[src])
-      self.cache = self.cache.with_lengths(lengths)
-      self.cache, self.logits = self.sampler.append(self.params, self.cache, rows, self.logits)
+      self._set_lengths(lengths)
+      self._append(rows)
     for dst, src in sources.items():
       self.tokens[dst] = list(self.tokens[src])
       self.closed[dst], self.full[dst] = self.closed[src], self.full[src]
@@ -173,7 +232,7 @@ class ModelBackend(HistoryBackend):
       self._take(row, ids, ends)
       self.answered[row] = False
     if any(rows):
-      self.cache, self.logits = self.sampler.append(self.params, self.cache, rows, self.logits)
+      self._append(rows)
 
   def rewind(self, keep: dict[int, int]) -> None:
     """Sets each row back to where its first `keep[row]` messages end (its cache length, tokens and
@@ -189,7 +248,7 @@ class ModelBackend(HistoryBackend):
       del self.tokens[row][self.ends[row][n]:]
       self.ends[row] = {m: at for m, at in self.ends[row].items() if m <= n}
       self.answered[row], self.closed[row] = False, True
-    self.cache = self.cache.with_lengths(lengths)
+    self._set_lengths(lengths)
 
   def generate(self, requests: Sequence[SimRequest]) -> list[str]:
     self._extend(requests)
@@ -213,12 +272,10 @@ class ModelBackend(HistoryBackend):
       active[self._slot(r.row)] = True
     res = None
     if active.any():
-      self.cache, self.logits = self.sampler.append(self.params, self.cache, rows, self.logits)
+      self._append(rows)
       rules = None if self.stops is None else self.stops.rules(
           {self._slot(r.row): r.kind for r in requests if not self.full[r.row]}, B)
-      res = self.sampler.decode(self.params, self.cache, self.logits, rng=self._keys(requests),
-                                max_new_tokens=self.max_new_tokens, sampling=self.sampling,
-                                active=active, stop_rules=rules)
+      res = self._decode(self._keys(requests), active, rules)
       self.cache = res.cache
     out = []
     for r in requests:

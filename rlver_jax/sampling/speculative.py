@@ -25,12 +25,12 @@ target's [B, k + 1, V] fp32 log-probs (Qwen2.5's 152k vocabulary, B = 32, k = 4:
 Metrics: `draft_acceptance` = kept / proposed draft tokens, `tokens_per_verify` = generated tokens /
 target passes per row (a plain decode's is 1.0; the closing pass counts).
 
-What a later integration needs: a draft `Sampler` on the simulator's vocabulary (checked here);
-prefill / append / copy_rows / with_lengths (rewinds, a lent row's reset) through this class, so
-both caches hold the same tokens; the two metrics logged as `simulator/draft_acceptance` and
-`simulator/tokens_per_verify`. Not supported yet: decode segments (`Sampler.decode_segment`: one
-call attends the window of its whole budget), and `CallCounts` has no verify-pass entry for the
-step-time model.
+The co-located simulator uses it (`env.model_backend`, config.simulator.draft_checkpoint): prefill
+/ append / copy_rows / with_lengths (rewinds, a lent row's reset) go through this class, so both
+caches hold the same tokens. Not supported: decode segments (`Sampler.decode_segment`: one call
+attends the window of its whole budget). A draft on its own mesh runs inside the target's program;
+each cache comes back in the layout it came in. The target's `CallCounts` records each call's
+verify passes and draft steps.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from rlver_jax.models.qwen2 import Qwen2
 from rlver_jax.parallel.sharding import host_array
 from rlver_jax.sampling.draft_rule import draw, row_keys, token_logprobs, verify
 from rlver_jax.sampling.kv_cache import KVCache
-from rlver_jax.sampling.sampler import DecodeResult, Sampler, bucket
+from rlver_jax.sampling.sampler import DecodeResult, Sampler, _Collected, bucket
 from rlver_jax.sampling.stop_rules import StopRules, StopState, StopTables
 from rlver_jax.sampling.strategies import SamplingParams
 
@@ -118,8 +118,11 @@ def _last_logits(model: Qwen2, cache: KVCache, tokens_BxT, num_B, window):
 
 def _spec_decode_fn(t_graphdef, t_params, cache: KVCache, logits_BxV, d_graphdef, d_params,
                     draft_cache: KVCache, active_B, budget_B, stop_ids, rng,
-                    sampling: SamplingParams, tables: StopTables | None = None, *, k, window,
-                    draft_window, max_new, pad_id) -> SpecState:
+                    sampling: SamplingParams, tables: StopTables | None = None,
+                    rule_state: StopState | None = None, *, k, window, draft_window, max_new,
+                    pad_id) -> SpecState:
+  """Up to max_new tokens per live row; a later segment of one decode passes the stop rules'
+  progress so far (`rule_state`)."""
   target: Qwen2 = nnx.merge(t_graphdef, t_params)
   drafter: Qwen2 = nnx.merge(d_graphdef, d_params)
   B = logits_BxV.shape[0]
@@ -132,7 +135,7 @@ def _spec_decode_fn(t_graphdef, t_params, cache: KVCache, logits_BxV, d_graphdef
                 has_pending=live, count=zeros_i, done=~live, stopped=jnp.zeros((B,), bool),
                 tokens=jnp.full((B, max_new), pad_id, jnp.int32), sample_logp=zeros_f,
                 model_logp=zeros_f, proposed=zeros_i, accepted=zeros_i, passes=zeros_i,
-                rules=None if tables is None else tables.start())
+                rules=rule_state if tables is None or rule_state is not None else tables.start())
   # The first token comes from the logits the caller holds, as in a plain decode.
   p0 = token_logprobs(s.logits, sampling)
   tok = jnp.where(live, draw(row_keys(rng, 0), p0), pad_id)
@@ -202,6 +205,14 @@ def _spec_decode_fn(t_graphdef, t_params, cache: KVCache, logits_BxV, d_graphdef
   return dataclasses.replace(s, cache=cache, draft_cache=draft_cache,
                              logits=jnp.where(s.has_pending[:, None], logits, s.logits),
                              passes=s.passes + s.has_pending)
+
+
+_SEGMENT_KEYS = 1 << 30  # a later segment's key: folded past any verify pass's own index
+
+
+def _placed(tree, layout):
+  """`tree` with each leaf not in its `layout` sharding moved there."""
+  return jax.tree.map(lambda a, sh: a if a.sharding == sh else jax.device_put(a, sh), tree, layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,19 +298,47 @@ class SpeculativeSampler:
     if stop_rules is not None:
       stop_rules.check(B, t.config.vocab_size)
     tables = None if stop_rules is None else stop_rules.device()
-    reach = int(max((lengths + budget).max(), 1))
-    with t._on_mesh():
-      s: SpecState = self._decode(
-          t.graphdef, params, cache, logits, d.graphdef, draft_params, draft_cache,
-          jnp.asarray(active), jnp.asarray(budget), t.stop_ids, t._here(rng), sampling, tables,
-          k=self.k, window=bucket(reach, t.decode_windows),
-          # A draft step reads up to k - 1 proposals past what a row has emitted.
-          draft_window=bucket(min(reach + self.k, d.max_len), d.decode_windows),
-          max_new=max_new_tokens, pad_id=t.pad_id)
-    result = DecodeResult(tokens=host_array(s.tokens), num_tokens=host_array(s.count),
-                          sample_logp=host_array(s.sample_logp), model_logp=host_array(s.model_logp),
-                          stopped=host_array(s.stopped), cache=s.cache, logits=s.logits,
+    # As `Sampler.decode`: calls of `decode_segment` tokens (the rules' progress as host arrays,
+    # so every segment of a window runs one program), each a fresh key stream.
+    rule_state = None if tables is None else jax.tree.map(np.asarray, tables.start())
+    seg = min(t.decode_segment or max_new_tokens, max_new_tokens)
+    out = _Collected.empty(B, max_new_tokens, t.pad_id)
+    counts = np.zeros((3, B), np.int64)  # proposed, accepted, target passes
+    live = active & (budget > 0)
+    rng, first = t._here(rng), 0
+    layouts = [jax.tree.map(lambda a: a.sharding, c) for c in (cache, draft_cache)]
+    while True:
+      # Each row's budget still unspent, at most a segment (a call writes at most max_new tokens).
+      left = np.minimum(np.where(live, budget - out.count, 0), seg)
+      reach = int(max((lengths + out.count + left).max(), 1))
+      window = bucket(reach, t.decode_windows)
+      # A draft step reads up to k - 1 proposals past what a row has emitted.
+      draft_window = bucket(min(reach + self.k, d.max_len), d.decode_windows)
+      with t._on_mesh():
+        s: SpecState = self._decode(
+            t.graphdef, params, cache, logits, d.graphdef, draft_params, draft_cache,
+            jnp.asarray(live), jnp.asarray(left), t.stop_ids,
+            rng if first == 0 else row_keys(rng, _SEGMENT_KEYS + first), sampling, tables,
+            None if rule_state is None else jax.tree.map(jnp.asarray, rule_state),
+            k=self.k, window=window, draft_window=draft_window, max_new=seg, pad_id=t.pad_id)
+      # Each cache goes back in the layout it came in (a draft on its own mesh comes out in the
+      # target's; lengths may come out split another way), so no later call compiles again.
+      cache, draft_cache = (_placed(c, l) for c, l in zip((s.cache, s.draft_cache), layouts))
+      logits = s.logits
+      part = DecodeResult(tokens=host_array(s.tokens), num_tokens=host_array(s.count),
+                          sample_logp=host_array(s.sample_logp),
+                          model_logp=host_array(s.model_logp), stopped=host_array(s.stopped),
+                          cache=cache, logits=logits,
                           rule_stopped=None if s.rules is None else host_array(s.rules.hit))
-    return SpeculativeResult(decode=result, draft_cache=s.draft_cache,
-                             proposed=host_array(s.proposed), accepted=host_array(s.accepted),
-                             passes=host_array(s.passes))
+      out.add(part)
+      passes = host_array(s.passes)
+      counts += np.stack([host_array(s.proposed), host_array(s.accepted), passes])
+      t.calls.verify(window, draft_window, int(passes.max(initial=0)), self.k)
+      first += seg
+      live = live & ~part.stopped & (out.count < budget)
+      if part.rule_stopped is not None:
+        live &= ~part.rule_stopped
+        rule_state = jax.tree.map(host_array, s.rules)
+      if not live.any() or first >= max_new_tokens:
+        return SpeculativeResult(decode=out.result(cache, logits), draft_cache=draft_cache,
+                                 proposed=counts[0], accepted=counts[1], passes=counts[2])

@@ -287,10 +287,6 @@ class SimulatorSpec:
       return
     require("simulator.draft_checkpoint", d, self.backend == "model",
             f"'' with simulator.backend={self.backend!r} (a draft serves the co-located model only)")
-    # One speculative call attends the window of its whole budget; segments are not supported.
-    require("simulator.draft_checkpoint", d, self.decode_segment == 0,
-            f"'' with simulator.decode_segment={self.decode_segment} (speculative decoding runs "
-            "one call per turn: set simulator.decode_segment=0)")
 
   def _check_reference_rules(self) -> None:
     r = self.state_change_range

@@ -13,11 +13,19 @@ from typing import Any
 
 
 def take_sampler_calls(sampler, backend) -> dict[str, float]:
-  """The sampler calls since the last take, as `calls/policy/KEY` and `calls/simulator/KEY`; zeroes them."""
+  """The sampler calls since the last take, as `calls/policy/KEY` and `calls/simulator/KEY` (a
+  simulator's draft: `calls/simulator_draft/KEY`), and the draft's acceptance
+  (`simulator/draft_acceptance`, `simulator/tokens_per_verify`); zeroes them."""
   out = {f"calls/policy/{k}": float(v) for k, v in sampler.calls.take().items()}
   simulator = getattr(backend, "sampler", None)  # only the co-located model backend has one
   if simulator is not None:
     out.update({f"calls/simulator/{k}": float(v) for k, v in simulator.calls.take().items()})
+  spec = getattr(backend, "spec", None)  # its draft-and-verify decode, when it has a draft
+  if spec is not None:
+    out.update({f"calls/simulator_draft/{k}": float(v) for k, v in spec.draft.calls.take().items()})
+  take_draft = getattr(backend, "take_draft_metrics", None)
+  if take_draft is not None:
+    out.update(take_draft())
   return out
 
 

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from rlver_jax.rl import samples
+
 _F32 = jnp.float32
 
 
@@ -77,8 +79,9 @@ def gae(
     *,
     gamma: float,
     lam: float,
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Generalised advantage estimation over policy tokens only.
+  """Generalised advantage estimation over policy tokens only, each sample on its own.
 
   The recursion skips every position with mask == 0: the bootstrap value of a policy token is the
   value of the *next policy token* (possibly in a later turn, after simulator tokens), and after the
@@ -92,6 +95,8 @@ def gae(
     mask: [B, T] 1 on policy tokens, 0 elsewhere.
     gamma: discount per policy token.
     lam: GAE lambda.
+    segment_ids: [B, T] samples packed in a row (`rl.samples`): the recursion starts afresh at
+      each sample's end, as it does at a row's. None: a row is one sample.
 
   Returns:
     (advantages [B, T], returns [B, T]) with returns = advantages + values; both 0 where mask == 0.
@@ -101,8 +106,8 @@ def gae(
   m = mask > 0
 
   def step(carry, xs):
-    next_value, next_adv = carry
-    r_t, v_t, m_t = xs
+    r_t, v_t, m_t, fresh = xs  # fresh: the next position starts another sample
+    next_value, next_adv = (jnp.where(fresh, 0.0, c) for c in carry)
     delta = r_t + gamma * next_value - v_t
     adv_t = delta + gamma * lam * next_adv
     # Non-policy positions pass the carry through untouched, which is what makes the jump.
@@ -110,7 +115,10 @@ def gae(
     return carry, jnp.where(m_t, adv_t, 0.0)
 
   zeros = jnp.zeros(r.shape[:1], _F32)
-  _, adv_tb = lax.scan(step, (zeros, zeros), (r.T, v.T, m.T), reverse=True)
+  fresh = jnp.zeros(m.shape, bool)
+  if segment_ids is not None:
+    fresh = jnp.pad(samples.starts(segment_ids)[:, 1:], ((0, 0), (0, 1)))
+  _, adv_tb = lax.scan(step, (zeros, zeros), (r.T, v.T, m.T, fresh.T), reverse=True)
   adv = adv_tb.T
   returns = jnp.where(m, adv + v, 0.0)
   return adv, returns

@@ -128,7 +128,7 @@ class PPO:
     walk = (None if self.value_mask == "policy_tokens"
             else reference_value_mask(packed.loss_mask, packed.segment_ids))
     return critic_targets(token_rewards, values, packed.loss_mask, gamma=self.gamma, lam=self.lam,
-                          whiten=self.whiten, value_mask=walk)
+                          whiten=self.whiten, value_mask=walk, segment_ids=packed.segment_ids)
 
   def warning_groups(self, groups: list[int]) -> list[int]:
     """Every dialogue in one group: PPO's step warnings look at the whole batch."""

@@ -40,6 +40,15 @@ def shape_bucket(n: int, unit: int) -> int:
     k += 1
 
 
+def fine_bucket(n: int, unit: int) -> int:
+  """The smallest unit * m >= n with m in {1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, ...}
+  (four sizes an octave): packed rows' count, where `shape_bucket`'s steps of up to 1.5x would
+  bring back the padding packing removed, at up to twice its recompiles (O(log) still)."""
+  units = max(-(-n // unit), 1)
+  step = 1 << max(units.bit_length() - 3, 0)
+  return -(-units // step) * step * unit
+
+
 def mini_batch_count(num_samples: int, mini_batch_rows: int, mini_batches: int) -> int:
   """Mini-batches (optimizer updates per epoch) of a step: one per `mini_batch_rows` rows (the
   reference's count, which follows the rollout's size), or the fixed `mini_batches` when it is 0."""
@@ -87,7 +96,7 @@ class BatchLayout(NamedTuple):
   length: int           # T
   micro_rows: int       # B: global rows of one micro-batch
   mini_batches: int     # optimizer updates per epoch
-  mini_batch_rows: int  # R: samples per mini-batch (0: mini-batches are not counted in rows)
+  mini_batch_rows: int  # R: samples (packed: rows) per mini-batch (0: not counted in rows)
 
   @classmethod
   def of(cls, num_samples: int, longest: int, micro_rows: int, *, mini_batches: int = 1,
@@ -117,8 +126,12 @@ class BatchLayout(NamedTuple):
     """[M, B, T] of one mini-batch: what one optimizer update sees."""
     return self.rows // (self.micro_rows * self.mini_batches), self.micro_rows, self.length
 
+  def mini_batch_of(self, k: int) -> int:
+    """The mini-batch of sample k."""
+    return (self.row_of(k) // self.micro_rows) % self.mini_batches
+
   def row_of(self, k: int) -> int:
-    """The packed row of sample k."""
+    """The row of sample k (of a layout with one sample a row; `rl.pack` places packed ones)."""
     if self.mini_batch_rows <= 0:
       return k
     B, M, R = self.micro_rows, self.mini_batches, self.mini_batch_rows
@@ -144,7 +157,8 @@ _STATIC = dict(static=True)
 class UpdateBatch:
   """Every array the fused update reads, each [M, B, T] and token-aligned (index t describes token t).
 
-  int32: tokens, segment_ids (1 on real tokens, 0 on padding). float32: the rest. A pytree: `jit`
+  int32: tokens, segment_ids (a sample's id on its tokens, 0 on padding; several samples may share
+  a row, `rl.samples`). float32: the rest. A pytree: `jit`
   and `lax.scan` see its arrays, `mini_batches` is static. Optional fields are None when the step
   has no use for them: `ref_logp` only with a KL term in the loss, `old_values` and `returns` only
   for a critic, `weights` until `Updater.step` adds them, `rollout_logp` only in hand-built batches,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rlver_jax.rl import samples
 from rlver_jax.rl.rollout_correction import correction_weights
 
 _F32 = jnp.float32
@@ -60,42 +61,49 @@ def aggregate(
 
 
 def token_weights(mask: jax.Array, mode: str = "token-mean", *, norm_len: int | None = None,
-                  chunks: int = 1) -> jax.Array:
+                  chunks: int = 1, segment_ids: jax.Array | None = None) -> jax.Array:
   """[B, T] weights with sum(x * weights) the loss of per-token values x under `mode`.
 
-  Modes:
-    token-mean: sum over all policy tokens / number of policy tokens (long sequences weigh more).
-    seq-mean-token-mean: mean over sequences of each sequence's token mean.
-    seq-mean-token-sum-norm: each sequence's token sum / a constant (norm_len, default T), then
-      the mean over sequences (Dr.GRPO: no per-sequence length normalisation).
-    chunk-token-mean: the rows that hold policy tokens, in order, cut into `chunks` consecutive
-      runs as even as possible (sizes differ by at most one row); a token mean inside each run,
-      then the mean over the runs. A data-parallel trainer whose every device takes a token mean
-      over its share of the rows and averages gradients computes this (the RLVER reference: 32
-      GPUs). One row a run is seq-mean-token-mean; one run is token-mean.
-  Rows without policy tokens (batch padding) weigh nothing and count in no mean.
+  Modes ("sample": a row, or with `segment_ids` each sample of a packed row, `rl.samples`):
+    token-mean: sum over all policy tokens / number of policy tokens (long samples weigh more).
+    seq-mean-token-mean: mean over samples of each sample's token mean.
+    seq-mean-token-sum-norm: each sample's token sum / a constant (norm_len, default T), then
+      the mean over samples (Dr.GRPO: no per-sample length normalisation).
+    chunk-token-mean: the samples that hold policy tokens, in order (of their segment id, then of
+      their place), cut into `chunks` consecutive runs as even as possible (sizes differ by at most
+      one sample); a token mean inside each run, then the mean over the runs. A data-parallel
+      trainer whose every device takes a token mean over its share of the rows and averages
+      gradients computes this (the RLVER reference: 32 GPUs). One sample a run is
+      seq-mean-token-mean; one run is token-mean.
+  Samples without policy tokens (batch padding) weigh nothing and count in no mean.
   """
   if mode not in AGG_MODES:
     raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
   w = (mask > 0).astype(_F32)
   if mode == "token-mean":
     return w / jnp.maximum(w.sum(), 1.0)
-  seq_len = w.sum(-1, keepdims=True)
-  has = seq_len[:, 0] > 0
+  seg = jnp.ones(w.shape, jnp.int32) if segment_ids is None else segment_ids
+  run = samples.runs(seg)
+  n = run.size
+  run_len = jax.ops.segment_sum(w.reshape(-1), run.reshape(-1), num_segments=n)  # exact: 0/1 sums
+  has = run_len > 0
   num_seqs = jnp.maximum(has.sum(), 1.0)
   if mode == "seq-mean-token-mean":
-    return w / jnp.maximum(seq_len, 1.0) / num_seqs
+    return w / jnp.maximum(run_len[run], 1.0) / num_seqs
   if mode == "seq-mean-token-sum-norm":
     return w / float(mask.shape[-1] if norm_len is None else norm_len) / num_seqs
   if chunks < 1:
     raise ValueError(f"chunk-token-mean needs chunks >= 1, got {chunks}")
-  # Run of each row: its rank among the rows with policy tokens, scaled to [0, chunks).
-  rank = jnp.cumsum(has) - 1
-  run = jnp.where(has, (rank * chunks) // jnp.maximum(has.sum(), 1), chunks)
-  run_tokens = jax.ops.segment_sum(seq_len[:, 0], run, num_segments=chunks + 1)[:chunks]
-  num_runs = jnp.maximum((run_tokens > 0).sum(), 1.0)
-  per_row = jnp.append(run_tokens, 1.0)[run]
-  return w / jnp.maximum(per_row, 1.0)[:, None] / num_runs
+  # Rank of each sample among those with policy tokens: by segment id (the packer numbers samples in
+  # order), ties (rows of one id each) in place order (a stable sort).
+  ids = jax.ops.segment_max(seg.reshape(-1), run.reshape(-1), num_segments=n)
+  order = jnp.argsort(jnp.where(has, ids, jnp.iinfo(jnp.int32).max), stable=True)
+  rank = jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+  chunk = jnp.where(has, (rank * chunks) // jnp.maximum(has.sum(), 1), chunks)
+  chunk_tokens = jax.ops.segment_sum(run_len, chunk, num_segments=chunks + 1)[:chunks]
+  num_chunks = jnp.maximum((chunk_tokens > 0).sum(), 1.0)
+  per_run = jnp.append(chunk_tokens, 1.0)[chunk]
+  return w / jnp.maximum(per_run, 1.0)[run] / num_chunks
 
 
 def policy_loss(
@@ -115,10 +123,12 @@ def policy_loss(
     is_correction: str = "none",
     is_cap: float | None = None,
     weights: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The policy-gradient loss `kind` (module docstring), all inputs [B, T]; returns (scalar loss,
   metrics). With `is_correction` (`rl.rollout_correction`; needs `rollout_logp` and `is_cap`) each
-  token's loss is scaled by its sampler/trainer importance weight or mask.
+  token's loss is scaled by its sampler/trainer importance weight or mask. Sequence-level terms
+  (gspo, the seq_* corrections) are per sample of `segment_ids` (`rl.samples`; None: per row).
 
   Metrics (over policy tokens): clip_frac (the clipped branch is the active one; for cispo, the
   ratio was clipped), dual_clip_frac, approx_kl (k2 = 0.5 * (logp - old_logp)^2 per token),
@@ -135,14 +145,16 @@ def policy_loss(
   w = (mask > 0).astype(_F32)
 
   log_ratio = logp - old_logp
-  ratio = jnp.exp(_sequence_log_ratio(log_ratio, logp, w) if kind == "gspo" else log_ratio)
+  ratio = jnp.exp(_sequence_log_ratio(log_ratio, logp, w, segment_ids) if kind == "gspo"
+                  else log_ratio)
   if kind == "cispo":
     loss_tok, clip_active, dual_active = _cispo_surrogate(adv, ratio, logp, clip_low, clip_high)
   else:
     loss_tok, clip_active, dual_active = _clipped_surrogate(adv, ratio, clip_low, clip_high,
                                                             dual_clip)
   metrics = {}
-  correction = correction_weights(old_logp, rollout_logp, mask, is_correction, is_cap)
+  correction = correction_weights(old_logp, rollout_logp, mask, is_correction, is_cap,
+                                  segment_ids=segment_ids)
   if correction is not None:
     loss_tok = loss_tok * correction
     metrics["is_weight_mean"] = _masked_mean(correction, w)
@@ -151,10 +163,12 @@ def policy_loss(
   return aggregate(loss_tok, mask, agg, norm_len=norm_len, chunks=chunks, weights=weights), metrics
 
 
-def _sequence_log_ratio(log_ratio: jax.Array, logp: jax.Array, w: jax.Array) -> jax.Array:
+def _sequence_log_ratio(log_ratio: jax.Array, logp: jax.Array, w: jax.Array,
+                        segment_ids: jax.Array | None) -> jax.Array:
   """GSPO's per-token log-ratio: the value of the sequence's mean log-ratio on every token, the
   gradient of that token's own logp (sg(mean) + logp - sg(logp); the last two cancel exactly)."""
-  seq = (log_ratio * w).sum(-1, keepdims=True) / jnp.maximum(w.sum(-1, keepdims=True), 1.0)
+  seq = (samples.sums(log_ratio * w, segment_ids)
+         / jnp.maximum(samples.sums(w, segment_ids), 1.0))
   return jax.lax.stop_gradient(seq) + (logp - jax.lax.stop_gradient(logp))
 
 

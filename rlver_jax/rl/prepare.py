@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlver_jax.rl import advantages as adv_lib
+from rlver_jax.rl import samples
 from rlver_jax.rl.losses import explained_variance, kl_penalty
 from rlver_jax.rl.pack import PackableDialogue, Packed
 
@@ -36,7 +37,7 @@ def kl_penalised_rewards(rewards: np.ndarray, old_logp: np.ndarray, ref_logp: np
 
 def grpo_row_advantages(dialogues: Sequence[ScoredDialogue], packed: Packed, *,
                         mean_only: bool, group_stats: str = "dialogue") -> np.ndarray:
-  """Each dialogue's group-relative advantage on every policy token of its rows, float32 [N, T].
+  """Each dialogue's group-relative advantage on every policy token of its samples, float32 [N, T].
   The group's mean and std count each dialogue once ("dialogue") or once per row it trains as
   ("turn_rows": think mode with dropped thoughts makes a row per turn)."""
   rewards = np.array([d.reward for d in dialogues], np.float32)
@@ -44,9 +45,9 @@ def grpo_row_advantages(dialogues: Sequence[ScoredDialogue], packed: Packed, *,
   weights = None if group_stats == "dialogue" else jnp.asarray(stat_rows(dialogues))
   per_dialogue = np.asarray(adv_lib.grpo_advantages(jnp.asarray(rewards), jnp.asarray(groups),
                                                     mean_only=mean_only, weights=weights))
-  owner = packed.dialogue
-  per_row = np.where(owner >= 0, per_dialogue[np.maximum(owner, 0)], 0.0)
-  return (per_row[:, None] * packed.loss_mask).astype(np.float32)
+  owner = packed.dialogue  # [N, T]
+  per_token = np.where(owner >= 0, per_dialogue[np.maximum(owner, 0)], 0.0)
+  return (per_token * packed.loss_mask).astype(np.float32)
 
 
 def stat_rows(dialogues: Sequence[PackableDialogue]) -> np.ndarray:
@@ -70,25 +71,29 @@ VALUE_MASKS = ("policy_tokens", "reference")
 
 
 def reference_value_mask(loss_mask: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
-  """[N, T] 1 from each row's first policy token through one past its last real token (where the
-  row has room for it); rows without policy tokens get none."""
-  T = loss_mask.shape[-1]
-  has = (loss_mask > 0).any(-1)
-  first = np.where(has, (loss_mask > 0).argmax(-1), T)
-  past_end = (segment_ids > 0).sum(-1)  # real tokens are each row's prefix
-  t = np.arange(T)[None, :]
-  return ((t >= first[:, None]) & (t <= past_end[:, None])).astype(np.float32)
+  """[N, T] 1 from each sample's first policy token through one past its last real token (where its
+  row has room for it: the padding after it, `rl.samples`); samples without policy tokens get none."""
+  N, T = loss_mask.shape
+  run = samples.runs(segment_ids, np)
+  t = np.broadcast_to(np.arange(T), (N, T))
+  first = np.full(run.size, T)
+  np.minimum.at(first, run[loss_mask > 0], t[loss_mask > 0])
+  last = np.full(run.size, -2)
+  np.maximum.at(last, run[segment_ids > 0], t[segment_ids > 0])
+  return ((t >= first[run]) & (t <= last[run] + 1)).astype(np.float32)
 
 
 def critic_targets(rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, *, gamma: float,
-                   lam: float, whiten: bool, value_mask: np.ndarray | None = None) -> Targets:
+                   lam: float, whiten: bool, value_mask: np.ndarray | None = None,
+                   segment_ids: np.ndarray | None = None) -> Targets:
   """GAE advantages (on policy tokens, whitened over them) and the critic's returns from per-token
   rewards and the critic's values. With `value_mask` the recursion walks its positions instead of
   the policy tokens alone, as the reference's walks every response position: its returns are the
-  critic's targets there; without, the critic trains on the policy tokens."""
+  critic's targets there; without, the critic trains on the policy tokens. `segment_ids`: samples
+  packed into rows, each walked on its own."""
   walk = mask if value_mask is None else value_mask
   adv, ret = adv_lib.gae(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(walk), gamma=gamma,
-                         lam=lam)
+                         lam=lam, segment_ids=None if segment_ids is None else jnp.asarray(segment_ids))
   adv = adv * jnp.asarray(mask > 0)
   if whiten:
     adv = adv_lib.whiten(adv, jnp.asarray(mask))
@@ -104,6 +109,8 @@ def _explained_variance(values: np.ndarray, returns: jax.Array, mask: np.ndarray
 
 
 def batch_metrics(packed: Packed) -> dict[str, float]:
-  """Sizes of the batch: policy tokens, samples and real (unpadded) tokens."""
+  """Sizes of the batch: policy tokens, samples, real (unpadded) tokens and the padding's share of
+  the batch's tokens (`update_padding`: what rl.pack_update cuts)."""
+  real = float((packed.segment_ids > 0).sum())
   return {"policy_tokens": float(packed.loss_mask.sum()), "samples": float(packed.num_real),
-          "sample_tokens": float((packed.segment_ids > 0).sum())}
+          "sample_tokens": real, "update_padding": 1.0 - real / max(packed.tokens.size, 1)}

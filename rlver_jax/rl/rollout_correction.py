@@ -1,8 +1,8 @@
 """Rollout correction: the sampler/trainer mismatch, the importance weights or masks that correct the
 policy loss for it, and the mismatch metrics logged every step.
 
-Shape legend: B sequences, T tokens. A sequence is one packed row, i.e. one sample (in think mode
-with dropped thoughts, one policy turn).
+Shape legend: B rows, T tokens. A sequence is one sample (in think mode with dropped thoughts, one
+policy turn): a row, or with `segment_ids` each sample packed into a row (`rl.samples`).
 
 The policy is sampled on its own cache path (often bf16, possibly with a reshaped distribution) and
 trained from fp32 master weights, so the trainer's log-prob of a sampled token at the rollout's
@@ -31,13 +31,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlver_jax.rl import samples
+
 _F32 = jnp.float32
 IS_CORRECTIONS = ("none", "token_tis", "seq_tis", "token_mask", "seq_mask", "geo_mask")
 
 
-def _row_sum_and_count(delta: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """[B, 1] sums of delta over each row's policy tokens, and their counts."""
-  return (delta * w).sum(-1, keepdims=True), w.sum(-1, keepdims=True)
+def _sample_sum_and_count(delta: jax.Array, w: jax.Array, segment_ids: jax.Array | None
+                          ) -> tuple[jax.Array, jax.Array]:
+  """[B, T] sums of delta over each token's sample's policy tokens, and their counts."""
+  return samples.sums(delta * w, segment_ids), samples.sums(w, segment_ids)
 
 
 def _inside(log_value: jax.Array, cap: float) -> jax.Array:
@@ -47,8 +50,10 @@ def _inside(log_value: jax.Array, cap: float) -> jax.Array:
 
 
 def correction_weights(old_logp: jax.Array, rollout_logp: jax.Array | None, mask: jax.Array,
-                       kind: str, cap: float | None) -> jax.Array | None:
-  """The [B, T] weights of correction `kind` (None for "none"), without gradient."""
+                       kind: str, cap: float | None, *, segment_ids: jax.Array | None = None
+                       ) -> jax.Array | None:
+  """The [B, T] weights of correction `kind` (None for "none"), without gradient; the seq_* kinds
+  per sample of `segment_ids` (None: per row)."""
   if kind not in IS_CORRECTIONS:
     raise ValueError(f"unknown rollout correction {kind!r}; valid: {', '.join(IS_CORRECTIONS)}")
   if kind == "none":
@@ -63,7 +68,7 @@ def correction_weights(old_logp: jax.Array, rollout_logp: jax.Array | None, mask
   delta = old - rollout
   if kind == "token_mask":
     return jax.lax.stop_gradient(_inside(delta, cap))
-  seq_sum, count = _row_sum_and_count(delta, w)
+  seq_sum, count = _sample_sum_and_count(delta, w, segment_ids)
   if kind == "seq_tis":  # capped in log space: a long sample's product can overflow fp32
     row = jnp.exp(jnp.minimum(seq_sum, math.log(cap)))
   elif kind == "seq_mask":
@@ -74,7 +79,7 @@ def correction_weights(old_logp: jax.Array, rollout_logp: jax.Array | None, mask
 
 
 def mismatch_metrics(old_logp: np.ndarray, rollout_logp: np.ndarray, mask: np.ndarray, *,
-                     cap: float) -> dict[str, float]:
+                     cap: float, segment_ids: np.ndarray | None = None) -> dict[str, float]:
   """The sampler/trainer mismatch over the policy tokens of a batch ([..., T] host arrays).
 
   mismatch/kl: KL(sampler || trainer) by the k3 estimator on the sampled tokens,
@@ -82,11 +87,12 @@ def mismatch_metrics(old_logp: np.ndarray, rollout_logp: np.ndarray, mask: np.nd
     token. mismatch/kl_k1: the plain estimator mean(-delta) (unbiased, noisier, can be < 0). Both in
     float64 on the host: in fp32, exp(delta) - 1 - delta of a delta ~1e-4 cancels to 0.
   mismatch/log_ratio_abs_max, _abs_mean: of |delta| per token; seq_log_ratio_abs_max: of |sum delta|
-    per sample.
+    per sample (of `segment_ids` where rows are packed).
   mismatch/{token,seq,geo}_mask_drop_frac: the share of policy tokens that token_mask, seq_mask or
     geo_mask at cap `cap` would drop (whatever the run's correction; decided in fp32 as in the loss).
   """
   T = mask.shape[-1]
+  seg = None if segment_ids is None else np.asarray(segment_ids).reshape(-1, T)
   old = np.asarray(old_logp, np.float64).reshape(-1, T)
   rollout = np.asarray(rollout_logp, np.float64).reshape(-1, T)
   w = (np.asarray(mask).reshape(-1, T) > 0).astype(np.float64)
@@ -96,9 +102,10 @@ def mismatch_metrics(old_logp: np.ndarray, rollout_logp: np.ndarray, mask: np.nd
   out = {"mismatch/kl": mean(np.expm1(delta) - delta), "mismatch/kl_k1": mean(-delta),
          "mismatch/log_ratio_abs_max": float(np.abs(delta).max(initial=0.0)),
          "mismatch/log_ratio_abs_mean": mean(np.abs(delta)),
-         "mismatch/seq_log_ratio_abs_max": float(np.abs(delta.sum(-1)).max(initial=0.0))}
+         "mismatch/seq_log_ratio_abs_max": float(np.abs(samples.sums_np(delta, seg)).max(initial=0.0))}
   for kind in ("token_mask", "seq_mask", "geo_mask"):
     kept = correction_weights(jnp.asarray(old_logp, _F32).reshape(-1, T),
-                              jnp.asarray(rollout_logp, _F32).reshape(-1, T), jnp.asarray(w), kind, cap)
+                              jnp.asarray(rollout_logp, _F32).reshape(-1, T), jnp.asarray(w), kind, cap,
+                              segment_ids=None if seg is None else jnp.asarray(seg))
     out[f"mismatch/{kind}_drop_frac"] = mean(1.0 - np.asarray(kept, np.float64))
   return out

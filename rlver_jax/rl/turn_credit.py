@@ -99,14 +99,14 @@ def turn_row_advantages(dialogues: Sequence[TurnDialogue], packed: Packed,
   for i, (d, adv) in enumerate(zip(dialogues, per_turn)):
     first = 0  # turns of this dialogue in its earlier samples
     for s in d.samples:
-      row, L = packed.layout.row_of(k), len(s.tokens)
-      assert packed.dialogue[row] == i, (row, i)  # the same order as pack_into
+      (row, at), L = packed.at[k], len(s.tokens)
+      assert packed.dialogue[row, at] == i, (row, i)  # the same order as pack_into
       ends = np.asarray(s.turn_ends)
       if first + len(ends) > len(adv):
         raise ValueError(f"dialogue {i} has {first + len(ends)} policy turns in its samples but "
                          f"{len(adv)} emotion changes")
       turn = np.minimum(np.searchsorted(ends, np.arange(L), side="left"), len(ends) - 1)
-      out[row, :L] = adv[first + turn] * packed.loss_mask[row, :L]
+      out[row, at:at + L] = adv[first + turn] * packed.loss_mask[row, at:at + L]
       first += len(ends)
       k += 1
   return out

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlver_jax.models.qwen2 import Qwen2
-from rlver_jax.rl import losses
+from rlver_jax.rl import losses, samples
 from rlver_jax.rl.batch import UpdateBatch
 
 _F32 = jnp.float32
@@ -79,14 +79,20 @@ def _shifted(hidden_BxTxD: jax.Array) -> jax.Array:
   return jnp.pad(hidden_BxTxD[:, :-1], ((0, 0), (1, 0), (0, 0)))
 
 
+def _hidden(model: Qwen2, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array) -> jax.Array:
+  """Hidden states with each packed sample at the positions it has alone (`rl.samples`)."""
+  return model.hidden_states(tokens_BxT, samples.positions(segment_ids_BxT), segment_ids_BxT)
+
+
 def token_logprobs_and_entropy(model: Qwen2, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array,
                                chunk: int) -> tuple[jax.Array, jax.Array]:
-  """log p(token t | <t) and the entropy of that prediction, both [B, T] fp32 (0 at t = 0).
+  """log p(token t | <t) and the entropy of that prediction, both [B, T] fp32 (0 at a sample's
+  first token: nothing of its own predicts it).
 
   The LM head runs over chunks of `chunk` positions under remat, so the full [B, T, V] logits are
   never alive at once in the forward or the backward pass.
   """
-  hidden = _shifted(model.hidden_states(tokens_BxT, segment_ids=segment_ids_BxT))
+  hidden = _shifted(_hidden(model, tokens_BxT, segment_ids_BxT))
   B, T, D = hidden.shape
   n = -(-T // chunk)
   pad = n * chunk - T
@@ -102,14 +108,15 @@ def token_logprobs_and_entropy(model: Qwen2, tokens_BxT: jax.Array, segment_ids_
   logp, ent = jax.lax.map(one, (h, tgt))
   logp = logp.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
   ent = ent.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
-  first = jnp.arange(T)[None, :] > 0
-  return jnp.where(first, logp, 0.0), jnp.where(first, ent, 0.0)
+  later = ~samples.starts(segment_ids_BxT)
+  return jnp.where(later, logp, 0.0), jnp.where(later, ent, 0.0)
 
 
 def token_values(critic: Qwen2, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array) -> jax.Array:
-  """V(state before token t), [B, T] fp32 (0 at t = 0)."""
-  values = critic.values(_shifted(critic.hidden_states(tokens_BxT, segment_ids=segment_ids_BxT)))
-  return jnp.where(jnp.arange(tokens_BxT.shape[1])[None, :] > 0, values, 0.0)
+  """V(state before token t), [B, T] fp32 (0 at a sample's first token; the padding slot after a
+  sample holds the value after its last token)."""
+  values = critic.values(_shifted(_hidden(critic, tokens_BxT, segment_ids_BxT)))
+  return jnp.where(samples.starts(segment_ids_BxT), 0.0, values)
 
 
 def _policy_loss(model: Qwen2, mb: UpdateBatch, cfg: LossConfig):
@@ -118,7 +125,7 @@ def _policy_loss(model: Qwen2, mb: UpdateBatch, cfg: LossConfig):
   loss, metrics = losses.policy_loss(
       logp, mb.old_logp, mb.advantages, mb.loss_mask, kind=cfg.policy_loss, clip_low=cfg.clip_low,
       clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, rollout_logp=mb.rollout_logp,
-      is_correction=cfg.is_correction, is_cap=cfg.is_cap, weights=w)
+      is_correction=cfg.is_correction, is_cap=cfg.is_cap, weights=w, segment_ids=mb.segment_ids)
   entropy = losses.entropy_bonus(ent, mb.loss_mask, weights=w)
   total = loss - cfg.entropy_coef * entropy
   metrics = dict(metrics, pg_loss=loss, entropy=entropy)
@@ -242,6 +249,8 @@ class Updater:
   def weighted(self, batch: UpdateBatch) -> UpdateBatch:
     """`batch` with its loss weights, computed once over the whole mini-batch (what `_step` takes)."""
     mask = batch.trained_mask(self.loss)
-    weights = losses.token_weights(mask.reshape(-1, mask.shape[-1]), self.cfg.agg,
-                                   norm_len=self.cfg.norm_len, chunks=self.cfg.chunks)
+    T = mask.shape[-1]
+    weights = losses.token_weights(mask.reshape(-1, T), self.cfg.agg, norm_len=self.cfg.norm_len,
+                                   chunks=self.cfg.chunks,
+                                   segment_ids=batch.segment_ids.reshape(-1, T))
     return dataclasses.replace(batch, weights=weights.reshape(mask.shape))

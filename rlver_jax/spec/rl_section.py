@@ -32,6 +32,13 @@ class RLSpec:
   # Rows per batch shard (data x fsdp device), x shards = global; at most: a micro-batch holds no
   # more rows than its mini-batch needs (rounded up to the shards), the rest would be padding.
   micro_batch_size: int = 4
+  # Several samples a row of the update, each attending to itself only and at its own positions
+  # (rl/samples.py): the same losses and gradients as one a row, to float rounding, on ~1/3 fewer
+  # rows at the paper's lengths (docs/PERFORMANCE.md).
+  pack_update: bool = True
+  # Packed rows' length: 0 = the unpacked one (the longest sample's, bucketed: the same micro-batch
+  # shapes and memory); more (a multiple of 64) packs tighter at more attention work and memory a row.
+  pack_length: int = 0
   grpo_mean_only: bool = False  # Dr.GRPO: no division by the group std
   # GRPO only. Dynamic sampling (DAPO): drop groups whose advantages are all 0 and roll out up to
   # dynamic_sampling_max_rounds more rounds of profiles_per_step groups to refill the batch; slots
@@ -99,6 +106,10 @@ class RLSpec:
     require("rl.value_clip", self.value_clip, self.value_clip >= 0, ">= 0 (0 = off)")
     require("rl.entropy_coef", self.entropy_coef, self.entropy_coef >= 0, ">= 0")
     require("rl.kl_coef", self.kl_coef, self.kl_coef >= 0, ">= 0")
+    require("rl.pack_update", self.pack_update, isinstance(self.pack_update, bool), "True or False")
+    require("rl.pack_length", self.pack_length,
+            _is_int(self.pack_length) and self.pack_length >= 0 and self.pack_length % 64 == 0,
+            "0 (the unpacked row length) or a multiple of 64")
     if self.loss_norm_len < 0:
       raise ConfigError(f"config.rl.loss_norm_len={self.loss_norm_len}: must be >= 0 "
                         "(0 = policy.max_context)")
@@ -128,6 +139,11 @@ class RLSpec:
     if self.mini_batch_rows == -1:
       return self.profiles_per_step * self.group_size
     return self.mini_batch_rows
+
+  @property
+  def update_pack_length(self) -> int | None:
+    """`pack_step`'s pack_length: None (one sample a row) unless rl.pack_update."""
+    return self.pack_length if self.pack_update else None
 
   @property
   def dialogues_per_step(self) -> int:

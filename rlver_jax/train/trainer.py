@@ -194,13 +194,14 @@ class Trainer:
     # micro-batch smaller than the shard count would be replicated: the same rows on every device).
     shards = batch_shards(self.mesh)
     p = pack_step(dialogues, rl.micro_batch_size * shards, self.chat.pad_id,
-                  mini_batch_rows=rl.rows_per_mini_batch, mini_batches=rl.mini_batches, shards=shards)
+                  mini_batch_rows=rl.rows_per_mini_batch, mini_batches=rl.mini_batches, shards=shards,
+                  pack_length=rl.update_pack_length)
     device = lambda x: to_device(x.reshape(p.layout.step_shape), self.mesh)
     tokens, seg = device(p.tokens), device(p.segment_ids)
     old_logp = self._logp_fn(self.state.policy, tokens, seg)
     rewards, ref_logp, metrics = self._reference(p, tokens, seg, old_logp)
     metrics.update(mismatch_metrics(host_array(old_logp), p.rollout_logp, p.loss_mask,
-                                    cap=rl.correction[1]))
+                                    cap=rl.correction[1], segment_ids=p.segment_ids))
     values = None
     if self.algorithm.has_critic:
       values = self._value_fn(self.state.critic, tokens, seg)

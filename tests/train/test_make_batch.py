@@ -30,7 +30,8 @@ def _rollout_and_batch(world, tmp_path, algo, **extra):
 def test_think_mode_rows_carry_their_turns_tokens_reward_and_dialogues_advantage(world, tmp_path):
   trainer, dialogues, batch, _, flat = _rollout_and_batch(
       world, tmp_path, "grpo", **{"policy.think": True, "simulator.max_turns": 3,
-                                  "rl.mini_batch_rows": 0})  # rows in sample order
+                                  "rl.mini_batch_rows": 0,  # rows in sample order,
+                                  "rl.pack_update": False})  # one a row
   samples = [(i, s) for i, d in enumerate(dialogues) for s in d.samples]
   assert len(samples) > len(dialogues)  # several turns, one sample each
   p = pack(dialogues, 1, trainer.chat.pad_id)
@@ -74,7 +75,9 @@ def test_ppo_advantages_are_whitened_over_policy_tokens_and_ev_is_whole_batch(wo
   trainer.checkpointer.close()
 
 
-@pytest.mark.parametrize("algo,extra", [("grpo", {"rl.kl_coef": 0.1}), ("ppo", {})])
+# One sample a row: the plan's shape is then the trainer's; packed rows are fewer (test_packed_update).
+@pytest.mark.parametrize("algo,extra", [("grpo", {"rl.kl_coef": 0.1, "rl.pack_update": False}),
+                                        ("ppo", {"rl.pack_update": False})])
 def test_trainers_batch_is_the_abstract_batch_the_aot_plan_compiles(world, tmp_path, algo, extra):
   """One definition of the update's inputs: what the trainer's jitted step receives matches
   `UpdateBatch.abstract` in fields, shapes, dtypes and shardings, and so does the AOT plan's batch

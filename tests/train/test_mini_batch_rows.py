@@ -54,7 +54,8 @@ def test_micro_batches_hold_no_more_rows_than_a_mini_batch_needs():
 
 def test_a_fitted_micro_batch_trains_like_a_padded_one(world, tmp_path, monkeypatch):
   """The padding rows the fitted layout drops carry no loss: the update is the same."""
-  config = tiny_world.training_config(world, "grpo", total_steps=1, **{"rl.micro_batch_size": 4})
+  config = tiny_world.training_config(world, "grpo", total_steps=1, **{
+      "rl.micro_batch_size": 4, "rl.pack_update": False})  # one sample a row: the rows counted below
   trainer = tiny_world.trainer(config, str(tmp_path))
   updated, shapes = {}, {}
   with jax.set_mesh(trainer.mesh):
@@ -95,20 +96,21 @@ def test_a_think_step_with_t_turns_makes_t_updates(world, tmp_path):
     assert [len(d.samples) for d in dialogues] == [3, 3, 3, 3]
     batch, extra = trainer.make_batch(dialogues)
     assert batch.mini_batches == 3
-    # Mini-batch m holds samples 4m..4m+3, each with its own tokens and its dialogue's advantage.
+    # Mini-batch m holds samples 4m..4m+3 (segment ids k + 1, packed or one a row), each with its
+    # own tokens and its dialogue's advantage.
     samples = [(i, s) for i, d in enumerate(dialogues) for s in d.samples]
-    tokens, adv = host_array(batch.tokens), host_array(batch.advantages)
+    arrays = [host_array(x) for x in (batch.tokens, batch.advantages, batch.segment_ids)]
     rewards = np.array([d.reward for d in dialogues])
     for m in range(3):
-      part_tokens = tokens[m::3].reshape(-1, tokens.shape[-1])
-      part_adv = adv[m::3].reshape(-1, adv.shape[-1])
-      real = [r for r in range(part_tokens.shape[0]) if (part_tokens[r] != trainer.chat.pad_id).any()]
-      assert len(real) == 4
-      for r, (i, s) in zip(real, samples[4 * m:4 * m + 4]):
-        np.testing.assert_array_equal(part_tokens[r, :len(s.tokens)], s.tokens)
+      part_tokens, part_adv, part_seg = (x[m::3].reshape(-1, x.shape[-1]) for x in arrays)
+      assert sorted(set(part_seg[part_seg > 0])) == [4 * m + j + 1 for j in range(4)]
+      for k in range(4 * m, 4 * m + 4):
+        (i, s), (r, t) = samples[k], np.argwhere(part_seg == k + 1)[0]
+        span = slice(t, t + len(s.tokens))
+        np.testing.assert_array_equal(part_tokens[r, span], s.tokens)
         group = rewards[2 * (i // 2):2 * (i // 2) + 2]
         want = (rewards[i] - group.mean()) / (group.std(ddof=1) + 1e-6)
-        np.testing.assert_allclose(part_adv[r, :len(s.tokens)], want * np.array(s.loss_mask),
+        np.testing.assert_allclose(part_adv[r, span], want * np.array(s.loss_mask),
                                    rtol=1e-5, atol=1e-6)
     metrics = trainer.update(batch)
   assert metrics["optimizer_updates"] == 3

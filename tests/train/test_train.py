@@ -49,7 +49,8 @@ def test_policy_learns_against_scripted_simulator(world, tmp_path, algo, steps):
 
 def test_micro_batch_size_counts_rows_per_batch_shard(world, tmp_path):
   """On 8 devices (fsdp=8) a micro-batch has micro_batch_size rows on each device, 8x that in all."""
-  config = _config(world, "grpo", total_steps=1, **{"rl.micro_batch_size": 2})
+  config = _config(world, "grpo", total_steps=1, **{"rl.micro_batch_size": 2,
+                                                     "rl.pack_update": False})  # a sample a row
   trainer = tiny_world.trainer(config, str(tmp_path))
   with jax.set_mesh(trainer.mesh):
     dialogues, _ = trainer.rollout(jax.random.key(0))

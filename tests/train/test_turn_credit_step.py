@@ -45,21 +45,23 @@ def test_turn_credit_advantages_in_a_real_step(tmp_path, think, mode):
     metrics = trainer.update(batch)
   trainer.checkpointer.close()
   flat = lambda k: np.asarray(host_array(getattr(batch, k))).reshape(-1, batch.tokens.shape[-1])
-  mask, adv = flat("loss_mask"), flat("advantages")
+  mask, adv, seg = flat("loss_mask"), flat("advantages"), flat("segment_ids")
   expected = _reference(dialogues, mode)
   assert any(len(set(np.round(a, 6))) > 1 for a in expected)  # turns of a dialogue differ
-  row = 0
+  k = 0  # sample k has segment id k + 1, packed or one a row
   for d, per_turn in zip(dialogues, expected):
     first = 0
     for s in d.samples:
       n = len(s.tokens)
+      (row, t), = np.argwhere(np.diff(np.pad(seg == k + 1, ((0, 0), (1, 0))).astype(int)) == 1)
       turn_of = first + np.searchsorted(s.turn_ends, np.arange(n))
       want = np.where(np.asarray(s.loss_mask) > 0, np.asarray(per_turn + [0.0])[
           np.minimum(turn_of, len(per_turn))], 0.0)
-      np.testing.assert_allclose(adv[row, :n], want, rtol=1e-4, atol=1e-5)
-      assert not adv[row, n:].any()
+      np.testing.assert_allclose(adv[row, t:t + n], want, rtol=1e-4, atol=1e-5)
+      assert (seg[row, t:t + n] == k + 1).all() and (seg == k + 1).sum() == n
       first += len(s.turn_ends)
-      row += 1
-  assert row == sum(len(d.samples) for d in dialogues) and not mask[row:].any()
-  assert (row > len(dialogues)) == think  # think: one sample per turn
+      k += 1
+  assert k == sum(len(d.samples) for d in dialogues) and seg.max() == k
+  assert not adv[seg == 0].any() and not mask[seg == 0].any()
+  assert (k > len(dialogues)) == think  # think: one sample per turn
   assert np.isfinite(metrics["loss"]) and metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)

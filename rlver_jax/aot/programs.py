@@ -220,12 +220,14 @@ def micro_batch_rows(spec: RunSpec, mesh: Mesh | None = None) -> int:
 
 def batch_layout(spec: RunSpec, mesh: Mesh | None = None) -> BatchLayout:
   """The largest batch a step can make: the most samples, each a full context (the trainer lays
-  out its real batch with the same `BatchLayout.for_step`)."""
-  return BatchLayout.for_step(num_samples(spec), spec.policy.max_context,
-                              micro_batch_rows(spec, mesh),
-                              mini_batch_rows=spec.rl.rows_per_mini_batch,
-                              mini_batches=spec.rl.mini_batches,
-                              shards=1 if mesh is None else batch_shards(mesh))
+  out its real batch with the same `BatchLayout.for_step`); packed rows longer than that
+  (rl.pack_length) at that length (packed, a step has no more rows nor larger micro-batches)."""
+  layout = BatchLayout.for_step(num_samples(spec), spec.policy.max_context,
+                                micro_batch_rows(spec, mesh),
+                                mini_batch_rows=spec.rl.rows_per_mini_batch,
+                                mini_batches=spec.rl.mini_batches,
+                                shards=1 if mesh is None else batch_shards(mesh))
+  return layout._replace(length=max(layout.length, spec.rl.update_pack_length or 0))
 
 
 def mini_batches(spec: RunSpec) -> int:

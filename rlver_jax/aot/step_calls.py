@@ -33,7 +33,7 @@ from typing import Iterator
 from rlver_jax.aot import programs as ap
 from rlver_jax.aot.draft import Draft
 from rlver_jax.parallel.sharding import batch_shards
-from rlver_jax.rl.batch import BatchLayout
+from rlver_jax.rl.pack import step_places
 from rlver_jax.sampling.sampler import bucket, window_buckets
 from rlver_jax.spec import PolicySpec, RunSpec, SimulatorSpec
 
@@ -216,11 +216,11 @@ def stated_calls(spec: RunSpec, lengths: StatedLengths, mesh=None, draft: Draft 
   calls["policy/peak_slots"] = float(policy.peak)
   if spec.simulator.backend == "model":
     calls["simulator/peak_slots"] = float(sim.peak)
-  layout = BatchLayout.for_step(len(samples) * ap.num_dialogues(spec), max(samples),
-                                ap.micro_batch_rows(spec, mesh),
-                                mini_batch_rows=spec.rl.rows_per_mini_batch,
-                                mini_batches=spec.rl.mini_batches,
-                                shards=1 if mesh is None else batch_shards(mesh))
+  layout, _ = step_places(samples * ap.num_dialogues(spec), ap.micro_batch_rows(spec, mesh),
+                          mini_batch_rows=spec.rl.rows_per_mini_batch,
+                          mini_batches=spec.rl.mini_batches,
+                          shards=1 if mesh is None else batch_shards(mesh),
+                          pack_length=spec.rl.update_pack_length)  # the trainer's rows
   M, B, T = layout.step_shape
   passes = 1 + (spec.rl.kl_coef > 0) + (spec.algo == "ppo")
   calls.update({"update/micro_batches": float(M * spec.rl.epochs), "update/rows": float(B),

@@ -190,15 +190,21 @@ def simulator_mesh(sim: SimulatorSpec, train: MeshConfig, train_mesh) -> tuple[o
 
 def draft_config(sim: SimulatorSpec) -> Qwen2Config:
   """The simulator's draft model config (config.simulator.draft_checkpoint), checked against the
-  simulator's: the same vocabulary (the verify rule compares their distributions token by token)
+  simulator's: the same tokenizer (the verify rule compares their distributions token by token),
+  at most the simulator's embedding rows (Qwen2.5's small models pad to fewer than its large ones),
   and room for simulator.max_context."""
-  key = "config.simulator.draft_checkpoint"
-  config = read_config(resolve_checkpoint(sim.draft_checkpoint, "simulator.draft_checkpoint"))
-  target = simulator_config(sim)
-  if config.vocab_size != target.vocab_size:
-    raise ConfigError(f"{key}={sim.draft_checkpoint!r} has a vocabulary of {config.vocab_size} "
-                      f"tokens, config.simulator.checkpoint={sim.checkpoint!r} {target.vocab_size}: "
-                      "a draft needs the simulator's vocabulary")
+  key = f"config.simulator.draft_checkpoint={sim.draft_checkpoint!r}"
+  path = resolve_checkpoint(sim.draft_checkpoint, "simulator.draft_checkpoint")
+  target_path = resolve_checkpoint(sim.checkpoint, "simulator.checkpoint")
+  config, target = read_config(path), simulator_config(sim)
+  vocab, target_vocab = load_tokenizer(path).get_vocab(), load_tokenizer(target_path).get_vocab()
+  sim_key = f"config.simulator.checkpoint={sim.checkpoint!r}"
+  if vocab != target_vocab:
+    raise ConfigError(f"{key} has another tokenizer ({len(vocab)} tokens) than {sim_key} "
+                      f"({len(target_vocab)}): a draft needs the simulator's vocabulary")
+  if not len(vocab) <= config.vocab_size <= target.vocab_size:
+    raise ConfigError(f"{key} has {config.vocab_size} vocabulary rows, {sim_key} "
+                      f"{target.vocab_size}: a draft needs at most the simulator's")
   check_context(config.max_position_embeddings, sim.max_context,
                 f"config.simulator.max_context (the draft {sim.draft_checkpoint!r})")
   return config

@@ -3,8 +3,9 @@ in one cached forward pass, and each row keeps its longest valid prefix (`draft_
 the tokens follow the target's own sampling distribution (and equal its greedy decode at temperature
 0) while the target reads its weights once per up to k + 1 tokens.
 
-Shapes: B rows, k draft tokens per verify pass, N max new tokens, V vocabulary (the two models
-share it), W attended window.
+Shapes: B rows, k draft tokens per verify pass, N max new tokens, V vocabulary (the target's; a
+draft of the same tokenizer may have fewer embedding rows: it proposes none past them), W attended
+window.
 
 Both models keep a KV cache of the same tokens (prefill and append go to both: `prefill`, `append`,
 `copy_rows` here). Inside the one jitted `lax.while_loop` each row's last emitted token is
@@ -44,7 +45,7 @@ from flax import nnx
 
 from rlver_jax.models.qwen2 import Qwen2
 from rlver_jax.parallel.sharding import host_array
-from rlver_jax.sampling.draft_rule import draw, row_keys, token_logprobs, verify
+from rlver_jax.sampling.draft_rule import _NEG, draw, row_keys, token_logprobs, verify
 from rlver_jax.sampling.kv_cache import KVCache
 from rlver_jax.sampling.sampler import DecodeResult, Sampler, _Collected, bucket
 from rlver_jax.sampling.stop_rules import StopRules, StopState, StopTables
@@ -111,9 +112,18 @@ def _last_logits(model: Qwen2, cache: KVCache, tokens_BxT, num_B, window):
   the cache written, lengths advanced by num)."""
   T = tokens_BxT.shape[1]
   positions = cache.lengths[:, None] + jnp.arange(T)[None, :]
+  # A draft with fewer embedding rows reads the target's ids past them as its last row.
+  tokens_BxT = jnp.minimum(tokens_BxT, model.config.vocab_size - 1)
   hidden, written = model.cached_hidden_states(tokens_BxT, positions, cache.view(window))
   last = jnp.take_along_axis(hidden, jnp.maximum(num_B - 1, 0)[:, None, None], axis=1)[:, 0]
   return model.logits(last).astype(jnp.float32), written.advanced(num_B)
+
+
+def _widened(logits_BxVd, V: int):
+  """A draft's logits over the target's V ids: those past its rows (an embedding padded to another
+  size, as Qwen2.5's small and large models are) get none of its probability."""
+  extra = V - logits_BxVd.shape[-1]
+  return jnp.pad(logits_BxVd, ((0, 0), (0, extra)), constant_values=_NEG) if extra else logits_BxVd
 
 
 def _spec_decode_fn(t_graphdef, t_params, cache: KVCache, logits_BxV, d_graphdef, d_params,
@@ -156,7 +166,7 @@ def _spec_decode_fn(t_graphdef, t_params, cache: KVCache, logits_BxV, d_graphdef
     def draft_step(i, carry):  # reads the backlog (step 0) or the last proposal, proposes x_i
       dcache, inp, n_in, xs, qs = carry
       q_logits, dcache = _last_logits(drafter, dcache, inp, jnp.where(go, n_in, 0), draft_window)
-      q = token_logprobs(q_logits, sampling)
+      q = token_logprobs(_widened(q_logits, V), sampling)
       x = jnp.where(go, draw(row_keys(key_draft, i), q), pad_id)
       inp = jnp.stack([x, jnp.full_like(x, pad_id)], axis=1)
       return dcache, inp, jnp.ones_like(n_in), xs.at[:, i].set(x), qs.at[:, i].set(q)
@@ -239,7 +249,7 @@ class SpeculativeSampler:
     if k < 1:
       raise ValueError(f"draft tokens per verify pass must be >= 1, got {k}")
     tv, dv = target.config.vocab_size, draft.config.vocab_size
-    if tv != dv:
+    if dv > tv:  # fewer rows is fine: a tokenizer's ids padded to another embedding size
       raise ValueError(f"the draft's vocabulary ({dv} tokens) differs from the target's ({tv})")
     self.target, self.draft, self.k = target, draft, k
     self._decode = jax.jit(_spec_decode_fn, donate_argnums=(2, 6),

@@ -20,7 +20,7 @@ def world(tmp_path_factory):  # 4 q / 2 kv heads: the simulator decodes tensor p
   root = tmp_path_factory.mktemp("world")
   out = tiny_world.make_world(root, num_heads=4, num_kv_heads=2)
   out["draft"] = _draft(root, "draft", extra_vocab=0)
-  out["wide_draft"] = _draft(root, "wide_draft", extra_vocab=8)
+  out["wide_draft"] = _draft(root, "wide_draft", extra_vocab=8)  # the same tokenizer, 8 more rows
   return out
 
 
@@ -79,8 +79,19 @@ def test_greedy_transcripts_equal_the_run_without_a_draft(world, tmp_path):
   assert 1.0 <= metrics["simulator/tokens_per_verify"] < 2.0
 
 
-def test_a_draft_of_another_vocabulary_is_refused(world):
-  spec = RunSpec.from_config(_config(world, **{"simulator.draft_checkpoint": world["wide_draft"]}))
-  with pytest.raises(ConfigError, match=r"^config\.simulator\.draft_checkpoint='.*wide_draft' has a "
-                     r"vocabulary of \d+ tokens, config\.simulator\.checkpoint='.*policy' \d+: "):
-    build.draft_config(spec.simulator)
+def test_a_draft_needs_the_simulators_tokenizer_and_at_most_its_rows(world):
+  def check(simulator, draft):
+    spec = RunSpec.from_config(_config(world, **{"simulator.checkpoint": simulator,
+                                                 "simulator.draft_checkpoint": draft}))
+    return build.draft_config(spec.simulator)
+
+  # The same tokenizer padded to more rows in the simulator (Qwen2.5-72B and its 0.5B draft).
+  assert check(world["wide_draft"], world["policy"]).vocab_size == 37
+  with pytest.raises(ConfigError, match=r"^config\.simulator\.draft_checkpoint='.*wide_draft' has "
+                     r"45 vocabulary rows, config\.simulator\.checkpoint='.*policy' 37: a draft "
+                     r"needs at most the simulator's$"):
+    check(world["policy"], world["wide_draft"])
+  with pytest.raises(ConfigError, match=r"^config\.simulator\.draft_checkpoint='embedded' has "
+                     r"another tokenizer \(\d+ tokens\) than config\.simulator\.checkpoint="
+                     r"'.*policy' \(37\): a draft needs the simulator's vocabulary$"):
+    check(world["policy"], "embedded")

@@ -20,7 +20,7 @@ from rlver_jax.spec import RunSpec
 from rlver_jax.spec.forward import ModelShape
 
 # Per-token acceptance when none is measured: Qwen2.5-0.5B drafting Qwen2.5-1.5B / 7B at
-# temperature 0.7 keeps 33-45% of 3 proposals (a = 0.52-0.65; sources in docs/PERFORMANCE.md).
+# temperature 0.7 keeps 33-45% of 3 proposals (a = 0.54-0.65; sources in docs/PERFORMANCE.md).
 # No figure for a 32B or 72B target was found; a larger gap to the draft should not raise it.
 DEFAULT_ACCEPTANCE = 0.6
 

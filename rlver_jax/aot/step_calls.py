@@ -14,9 +14,10 @@ slots a row fills), `simulator/answer_rounds` (simulator answers a dialogue, eac
 With a draft (`aot.draft`) the simulator's answers are draft-and-verify calls, keyed as the trainer
 records them (`sampling.call_counts`): `simulator/verify_passes/W` (target passes of k + 1 positions,
 the closing pass included), `simulator/draft_steps/W` (k per pass but the closing one),
-`simulator/verify_calls`, and the draft's appends under `simulator_draft/` (the same tokens as the
-simulator's). A pass yields `Draft.per_pass` tokens on average; the first token of a call comes from
-the logits the caller holds, so n tokens take (n - 1) / per_pass passes and the closing one.
+`simulator/verify_calls` (one per decode segment, as a plain decode's calls), and the draft's
+appends under `simulator_draft/` (the same tokens as the simulator's). A pass yields
+`Draft.per_pass` tokens on average; the first token of a call comes from the logits the caller
+holds, so a call of n tokens takes (n - 1) / per_pass passes and the closing one.
 
 The simulator's cache follows `simulator.info_flow`: 'chat' keeps every answer (analyses, plans,
 drafts) in its cache; 'reference' and 'sage' rewind each private answer out of it once read
@@ -103,29 +104,28 @@ class _Cache:
   def decode(self, tokens: int, max_new: int, reserve: int = 0) -> None:
     budget = max(min(max_new, self.max_len - reserve - self.length), 0)
     n = min(tokens, budget)
-    if self.draft is not None:
-      return self._verify(n, budget)
     seg = min(self.segment or max_new, max_new)
     for done in range(0, n, seg):  # `Sampler.decode`'s segments, each at its own window
       reach = self.length + done + min(seg, budget - done)
+      if self.draft is not None:
+        self._verify(min(seg, n - done), reach)
+        continue
       self._add(f"decode_steps/W{bucket(max(reach, 1), self.decode_windows)}", min(seg, n - done))
       self._add("decode_calls", 1)
-    # Cache slots filled when each step reads it (the new token's included): the floor's KV bytes.
-    self._add("decode_slots", n * self.length + n * (n + 1) // 2)
+    if self.draft is None:
+      # Cache slots filled when each step reads it (the new token's included): the floor's KV bytes.
+      self._add("decode_slots", n * self.length + n * (n + 1) // 2)
     self.length += n
     self.peak = max(self.peak, self.length)
 
-
-  def _verify(self, n: int, budget: int) -> None:
-    """A draft-and-verify call of n tokens: one call attends the window of its whole budget."""
-    k, reach = self.draft.tokens, self.length + budget
-    passes = (max(n - 1, 0) / self.draft.per_pass + 1) if n else 0.0
+  def _verify(self, n: int, reach: int) -> None:
+    """A draft-and-verify call (`SpeculativeSampler.decode`'s segment) of n tokens reaching `reach`."""
+    k = self.draft.tokens
+    passes = max(n - 1, 0) / self.draft.per_pass + 1
     self._add(f"verify_passes/W{bucket(max(reach, 1), self.decode_windows)}", passes)
     draft_window = bucket(min(reach + k, self.max_len), self.decode_windows)
-    self._add(f"draft_steps/W{draft_window}", k * max(passes - 1, 0.0))
+    self._add(f"draft_steps/W{draft_window}", k * (passes - 1))
     self._add("verify_calls", 1)
-    self.length += n
-    self.peak = max(self.peak, self.length)
 
 
 def _policy_turns(spec: RunSpec, lengths: StatedLengths, policy: _Cache) -> list[int]:

@@ -131,17 +131,16 @@ def _draft(spec: RunSpec, found, measured: dict[str, float]) -> aot_draft.Draft 
 
 def draft_line(spec: RunSpec, draft: aot_draft.Draft, layouts) -> str:
   """The draft's assumptions, for under the table."""
-  vocab = {m: ap.model_config(m).vocab_size for m in (draft.model, ap.simulator_model(spec))}
-  d, s = vocab[draft.model], vocab[ap.simulator_model(spec)]
-  clash = (f"; its vocabulary ({d:,}) differs from the simulator's ({s:,}): a run refuses the pair"
-           if d != s else "")
+  d, s = (ap.model_config(m).vocab_size for m in (draft.model, ap.simulator_model(spec)))
+  clash = (f"; it has more embedding rows ({d:,}) than the simulator ({s:,}): a run refuses it"
+           if d > s else "")
   return (f"draft: {draft.source}; on {layouts.shape('simulator_draft')} (data x fsdp x tensor); "
           f"k = {draft.tokens} proposals a verify pass, {draft.per_pass:.2f} tokens a pass = "
           f"(1 - a^(k+1)) / (1 - a) (i.i.d. acceptance, Leviathan et al. 2023), kept share "
           f"{aot_draft.kept_share(draft.acceptance, draft.tokens):.3f}; an answer of n tokens takes "
-          "(n - 1) / that + 1 passes (the lockstep batch's slowest row takes more: not priced) and "
-          "k draft steps a pass but the closing one, in one call per answer (no decode segments); "
-          f"the draft's appends are priced with the prefills{clash}")
+          "(n - 1) / that + 1 passes a decode segment (the lockstep batch's slowest row takes "
+          "more: not priced) and k draft steps a pass but the closing one; the draft's appends are "
+          f"priced with the prefills{clash}")
 
 
 def assumptions() -> forecast.Assumptions:

@@ -71,6 +71,17 @@ def test_stated_calls_with_a_draft_by_hand():
   cache.decode(40, 40)
   assert set(out) == {"simulator/verify_passes/W256", "simulator/draft_steps/W512",
                       "simulator/verify_calls"} and cache.length == 254
+  # In decode segments of 16 (`SpeculativeSampler.decode`): 16, 16 and 8 tokens, each call with
+  # its own closing pass and window; the last one's draft steps read past 256.
+  out = {}
+  cache = step_calls._Cache("simulator", _spec(simulator=dict(decode_segment=16)).simulator, out,
+                            _draft())
+  cache.length = 214
+  cache.decode(40, 40)
+  assert out == {"simulator/verify_passes/W256": pytest.approx(2 * (15 / _TAU + 1) + 7 / _TAU + 1),
+                 "simulator/draft_steps/W256": pytest.approx(2 * 4 * 15 / _TAU),
+                 "simulator/draft_steps/W512": pytest.approx(4 * 7 / _TAU),
+                 "simulator/verify_calls": 3}
 
 
 def test_recorded_decodes_turned_into_verify_passes_by_hand():

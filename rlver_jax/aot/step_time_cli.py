@@ -137,9 +137,9 @@ def draft_line(spec: RunSpec, draft: aot_draft.Draft, layouts) -> str:
   return (f"draft: {draft.source}; on {layouts.shape('simulator_draft')} (data x fsdp x tensor); "
           f"k = {draft.tokens} proposals a verify pass, {draft.per_pass:.2f} tokens a pass = "
           f"(1 - a^(k+1)) / (1 - a) (i.i.d. acceptance, Leviathan et al. 2023), kept share "
-          f"{aot_draft.kept_share(draft.acceptance, draft.tokens):.3f}; an answer of n tokens takes "
-          "(n - 1) / that + 1 passes a decode segment (the lockstep batch's slowest row takes "
-          "more: not priced) and k draft steps a pass but the closing one; the draft's appends are "
+          f"{aot_draft.kept_share(draft.acceptance, draft.tokens):.3f}; a decode segment of n tokens "
+          "takes (n - 1) / that + 1 passes (the lockstep batch's slowest row takes more: not "
+          "priced) and k draft steps a pass but the closing one; the draft's appends are "
           f"priced with the prefills{clash}")
 
 

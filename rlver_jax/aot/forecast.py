@@ -123,9 +123,10 @@ def compile_programs(calls: dict[str, float], phases: dict[str, PhaseTime]) -> i
 def phase_layouts(layouts: Layouts) -> dict[str, str]:
   """The mesh (data x fsdp x tensor) each phase's programs ran on, for the table."""
   policy, sim, train = (layouts.shape(r) for r in ("policy", "simulator", "train"))
-  return {"policy decode": policy, "simulator decode": sim,
-          "prefills": f"policy {policy}, simulator {sim}", "update": train,
-          "reshard": f"{train} -> {policy}"}
+  draft = getattr(layouts, "draft", None) is not None and layouts.shape("simulator_draft")
+  return {"policy decode": policy, "simulator decode": sim + (f" (draft {draft})" if draft else ""),
+          "prefills": f"policy {policy}, simulator {sim}" + (f", draft {draft}" if draft else ""),
+          "update": train, "reshard": f"{train} -> {policy}"}
 
 
 def format_estimate(phases: dict[str, PhaseTime], chip: ChipSpec, measured: dict[str, float],

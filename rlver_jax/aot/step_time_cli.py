@@ -252,6 +252,8 @@ def _floors(spec, calls, phases, model, layouts, chip, n) -> str:
     splits[f.role] = floor.Split(*model.decode_bytes_line(f.role), floor.kv_bytes_per_slot(
         decode_model) * model.rows(f.role) / n, shard)
   out = ("\n\n" + floor.format_floors(floors, seconds, n, splits, chip)) if floors else ""
+  if any(k.startswith("simulator/verify_passes/") for k in calls):
+    out += "\nfloor, simulator decode: not computed for a draft-and-verify decode"
   for role in ("policy", "simulator"):
     if f"{role}/peak_slots" in calls:
       slots = (spec.policy if role == "policy" else spec.simulator).max_context

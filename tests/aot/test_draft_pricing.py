@@ -243,8 +243,10 @@ def test_cli_prices_a_tiny_draft_on_four_v5e_chips(tiny_preset, capsys):
     cli._run(config)
   out = capsys.readouterr().out
   assert "simulator decode 2x1x2, draft decode 2x1x2 (data x fsdp x tensor)" in out
+  assert "| simulator decode | 2x1x2 (draft 2x1x2) |" in out
+  assert "floor, simulator decode: not computed for a draft-and-verify decode" in out
   # 4 answers of 16 tokens: 15 / 2.31 + 1 passes and 4 x 15 / 2.31 draft steps each.
-  assert f"| simulator decode | 2x1x2 | {4 * (1 + 5 * 15 / _TAU):,.0f} |" in out
+  assert f"| simulator decode | 2x1x2 (draft 2x1x2) | {4 * (1 + 5 * 15 / _TAU):,.0f} |" in out
   assert "simulator 10 tokens a turn (--mean_simulator_tokens)" in out
   assert "draft: aot-test-tiny:1 from --draft_preset=aot-test-tiny:1; a = 0.600 (default" in out
   assert "k = 4 proposals a verify pass, 2.31 tokens a pass" in out

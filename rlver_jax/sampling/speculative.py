@@ -28,8 +28,9 @@ target passes per row (a plain decode's is 1.0; the closing pass counts).
 
 The co-located simulator uses it (`env.model_backend`, config.simulator.draft_checkpoint): prefill
 / append / copy_rows / with_lengths (rewinds, a lent row's reset) go through this class, so both
-caches hold the same tokens. Not supported: decode segments (`Sampler.decode_segment`: one call
-attends the window of its whole budget). A draft on its own mesh runs inside the target's program;
+caches hold the same tokens. Decode segments run as `Sampler.decode`'s do (`decode`: one call per
+`decode_segment` tokens, each a fresh key stream, each with a closing pass). A draft on its own
+mesh runs inside the target's program;
 each cache comes back in the layout it came in. The target's `CallCounts` records each call's
 verify passes and draft steps.
 """

@@ -126,7 +126,7 @@ class PPO:
     """GAE over the policy tokens from the token rewards and the critic's [N, T] values."""
     del dialogues
     walk = (None if self.value_mask == "policy_tokens"
-            else reference_value_mask(packed.loss_mask, packed.segment_ids))
+            else reference_value_mask(packed.loss_mask, packed.segment_ids, packed.room_length))
     return critic_targets(token_rewards, values, packed.loss_mask, gamma=self.gamma, lam=self.lam,
                           whiten=self.whiten, value_mask=walk, segment_ids=packed.segment_ids)
 

@@ -40,6 +40,13 @@ class Packed:
   at: np.ndarray            # [num_real, 2] int32: (row, first token) of each sample
   num_real: int
   layout: BatchLayout
+  # The row length the samples would have one a row: a sample that long has no slot past its end
+  # (the reference critic's mask stops at its last token), in a longer packed row too. 0 = layout's.
+  unpacked_length: int = 0
+
+  @property
+  def room_length(self) -> int:
+    return self.unpacked_length or self.layout.length
 
 
 def pack(dialogues: Sequence[PackableDialogue], micro_rows: int, pad_id: int, *,
@@ -55,9 +62,13 @@ def pack_step(dialogues: Sequence[PackableDialogue], micro_rows: int, pad_id: in
               mini_batch_rows: int, mini_batches: int, shards: int,
               pack_length: int | None = None) -> Packed:
   """The samples of `dialogues` in the step's layout (`step_places`)."""
-  layout, places = step_places(_lengths(dialogues), micro_rows, mini_batch_rows=mini_batch_rows,
+  lengths = _lengths(dialogues)
+  layout, places = step_places(lengths, micro_rows, mini_batch_rows=mini_batch_rows,
                                mini_batches=mini_batches, shards=shards, pack_length=pack_length)
-  return pack_into(dialogues, layout, pad_id, places)
+  unpacked = BatchLayout.for_step(len(lengths), max(lengths, default=1), micro_rows,
+                                  mini_batch_rows=mini_batch_rows, mini_batches=mini_batches,
+                                  shards=shards)
+  return pack_into(dialogues, layout, pad_id, places, unpacked_length=unpacked.length)
 
 
 def step_places(lengths: Sequence[int], micro_rows: int, *, mini_batch_rows: int, mini_batches: int,
@@ -127,7 +138,7 @@ def _first_fit(sizes: Sequence[int], capacity: int) -> list[list[int]]:
 
 
 def pack_into(dialogues: Sequence[PackableDialogue], layout: BatchLayout, pad_id: int,
-              places: Sequence[tuple[int, int]] | None = None) -> Packed:
+              places: Sequence[tuple[int, int]] | None = None, unpacked_length: int = 0) -> Packed:
   """The samples of `dialogues`, in order, at `places` (row, first token), by default each at the
   start of the row `layout.row_of` gives it."""
   samples = [s for d in dialogues for s in d.samples]
@@ -137,7 +148,7 @@ def pack_into(dialogues: Sequence[PackableDialogue], layout: BatchLayout, pad_id
   out = Packed(np.full((N, T), pad_id, np.int32), np.zeros((N, T), np.int32),
                np.zeros((N, T), np.float32), np.zeros((N, T), np.float32),
                np.zeros((N, T), np.float32), np.full((N, T), -1, np.int32),
-               np.array(places, np.int32).reshape(-1, 2), len(samples), layout)
+               np.array(places, np.int32).reshape(-1, 2), len(samples), layout, unpacked_length)
   owner = [i for i, d in enumerate(dialogues) for _ in d.samples]
   for k, s in enumerate(samples):
     i, a = places[k]

@@ -70,9 +70,12 @@ class Targets(NamedTuple):
 VALUE_MASKS = ("policy_tokens", "reference")
 
 
-def reference_value_mask(loss_mask: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
+def reference_value_mask(loss_mask: np.ndarray, segment_ids: np.ndarray,
+                         room_length: int | None = None) -> np.ndarray:
   """[N, T] 1 from each sample's first policy token through one past its last real token (where its
-  row has room for it: the padding after it, `rl.samples`); samples without policy tokens get none."""
+  row has room for it: the padding after it, `rl.samples`); samples without policy tokens get none.
+  `room_length`: a sample at least that long gets no slot past its end (the unpacked row length: a
+  packed row longer than it must not add one)."""
   N, T = loss_mask.shape
   run = samples.runs(segment_ids, np)
   t = np.broadcast_to(np.arange(T), (N, T))
@@ -80,7 +83,13 @@ def reference_value_mask(loss_mask: np.ndarray, segment_ids: np.ndarray) -> np.n
   np.minimum.at(first, run[loss_mask > 0], t[loss_mask > 0])
   last = np.full(run.size, -2)
   np.maximum.at(last, run[segment_ids > 0], t[segment_ids > 0])
-  return ((t >= first[run]) & (t <= last[run] + 1)).astype(np.float32)
+  end = last[run]
+  if room_length is not None:
+    length = samples.sums_np((segment_ids > 0).astype(np.float32), segment_ids)
+    end = np.where(length < room_length, end + 1, end)
+  else:
+    end = end + 1
+  return ((t >= first[run]) & (t <= end)).astype(np.float32)
 
 
 def critic_targets(rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, *, gamma: float,

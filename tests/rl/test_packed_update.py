@@ -189,3 +189,33 @@ def test_packed_places_fit_and_take_few_shapes():
     shapes.add((layout.rows, layout.length))
   Ns, Ts = {s[0] for s in shapes}, {s[1] for s in shapes}
   assert len(Ns) <= 20 and len(Ts) <= 14, (sorted(Ns), sorted(Ts))  # `fine_bucket`: 4 an octave
+
+
+def test_a_sample_as_long_as_an_unpacked_row_gets_no_slot_past_it_in_a_longer_row():
+  # One a row, a sample of the row's whole length has no slot past its end; packed into a longer
+  # row with padding after it, the reference critic mask must not gain that slot either.
+  rng = np.random.RandomState(3)
+  dialogues = _dialogues(rng, n=3)
+  mask = np.zeros(64, np.float32)
+  mask[5:20] = mask[30:64] = 1.0
+  dialogues[-1].samples[-1] = SimpleNamespace(
+      tokens=rng.randint(1, 50, size=64).tolist(), loss_mask=mask,
+      sampler_logp=np.full(64, -3.0, np.float32), token_rewards={63: 1.0})
+  one, _, long = _layouts(dialogues, 0)
+  k = long.num_real - 1
+  row, at = long.at[k]
+  assert one.layout.length == 64 and at + 64 < long.layout.length
+  assert long.segment_ids[row, at + 64] == 0  # padding follows it in its packed row
+  critic = create_model(CFG, head="value", dtype=jnp.float32, seed=2)
+  critic.value_head[...] = jax.random.normal(jax.random.key(0), (CFG.hidden_size,)) * 0.1
+  algo = PPO(value_mask="reference", lam=0.9, gamma=0.95)
+  out = []
+  for p in (one, long):
+    values = np.asarray(token_values(critic, jnp.asarray(p.tokens), jnp.asarray(p.segment_ids)))
+    out.append(algo.targets(dialogues, p, p.rewards, values))
+  assert out[1].value_mask[row, at + 64] == 0
+  for name in ("value_mask", "advantages", "returns"):
+    want, got = getattr(out[0], name), getattr(out[1], name)
+    for a, b in zip(_per_sample(one, want, 64), _per_sample(long, got, 64)):
+      np.testing.assert_allclose(b, a, rtol=1e-5, atol=2e-6, err_msg=name)
+    assert abs(float(np.abs(got).sum()) - float(np.abs(want).sum())) < 1e-3, name

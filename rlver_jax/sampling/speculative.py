@@ -263,14 +263,20 @@ class SpeculativeSampler:
   def prefill(self, params, draft_params, caches, rows: Sequence[Sequence[int]]):
     """Both caches emptied and filled with `rows`. Returns ((cache, draft_cache), target logits)."""
     cache, logits = self.target.prefill(params, caches[0], rows)
-    draft_cache, _ = self.draft.prefill(draft_params, caches[1], rows)
+    draft_cache, _ = self.draft.prefill(draft_params, caches[1], self._for_draft(rows))
     return (cache, draft_cache), logits
 
   def append(self, params, draft_params, caches, rows: Sequence[Sequence[int]], prev_logits=None):
     """`Sampler.append` on both caches. Returns ((cache, draft_cache), target logits)."""
     cache, logits = self.target.append(params, caches[0], rows, prev_logits)
-    draft_cache, _ = self.draft.append(draft_params, caches[1], rows)
+    draft_cache, _ = self.draft.append(draft_params, caches[1], self._for_draft(rows))
     return (cache, draft_cache), logits
+
+  def _for_draft(self, rows: Sequence[Sequence[int]]) -> list[list[int]]:
+    """`rows` with ids past the draft's embedding (the target's padding rows) set to its last id:
+    the draft only proposes, so an approximate context costs acceptance, never exactness."""
+    top = self.draft.config.vocab_size - 1
+    return [[min(int(t), top) for t in r] for r in rows]
 
   def copy_rows(self, caches, logits, sources: dict[int, int]):
     """`Sampler.copy_rows` on both caches (the draft's logits are not kept, so zeros stand in)."""

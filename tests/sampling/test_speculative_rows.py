@@ -46,3 +46,27 @@ def test_a_draft_with_fewer_rows_keeps_the_targets_greedy_tokens():
   np.testing.assert_array_equal(got.decode.num_tokens, want.num_tokens)
   m = got.metrics()
   assert m["draft_acceptance"] > 0.5 and m["tokens_per_verify"] > 1.5, m
+
+
+def test_ids_past_the_drafts_rows_reach_it_clamped_and_the_target_keeps_its_tokens():
+  # The simulator's text may hold ids the draft has no row for (the target's padding rows): the
+  # draft reads its last id instead (no out-of-range embedding read), the target's tokens stand.
+  target = create_model(TARGET, dtype=jnp.float32, seed=0, init_std=0.3)
+  cut = create_model(dataclasses.replace(TARGET, vocab_size=ROWS), dtype=jnp.float32, seed=1)
+  params, draft_params = nnx.state(target), nnx.state(cut)
+  greedy = SamplingParams.make(0.0)
+  prompts = [[3, 90, 8, 95], [7, 8, 9]]
+  more = [[91, 12], [93]]
+  plain = _sampler(target)
+  cache, logits = plain.prefill(params, plain.init_cache(2), prompts)
+  cache, logits = plain.append(params, cache, more, logits)
+  want = plain.decode(params, cache, logits, rng=jax.random.key(0), max_new_tokens=MAX_NEW,
+                      sampling=greedy)
+  spec = SpeculativeSampler(_sampler(target), _sampler(cut), K)
+  caches, logits = spec.prefill(params, draft_params, spec.init_caches(2), prompts)
+  caches, logits = spec.append(params, draft_params, caches, more, logits)
+  assert np.isfinite(np.asarray(caches[1].k, np.float32)).all()  # the draft read no row it lacks
+  got = spec.decode(params, draft_params, caches, logits, rng=jax.random.key(0),
+                    max_new_tokens=MAX_NEW, sampling=greedy)
+  np.testing.assert_array_equal(got.decode.tokens, want.tokens)
+  np.testing.assert_array_equal(got.decode.num_tokens, want.num_tokens)

@@ -167,8 +167,9 @@ def _generate():
     ids = _prompt_ids(chat, _PROMPT.value, _SYSTEM.value, _CHAT.value)
     _check_prompt(ids)  # before the model loads
   # The run's own assembly (build): the model and its sampler as an evaluation would load them.
+  # One decode call per reply (no segments), as generate always ran: a seed keeps its samples.
   policy = PolicySpec(checkpoint=checkpoint, param_dtype=_DTYPE.value, compute_dtype=_DTYPE.value,
-                      max_context=_MAX_LEN.value)
+                      max_context=_MAX_LEN.value, decode_segment=0, window_step=0)
   model, _, _ = build.load_policy(policy, mesh=None)
   build.check_context(model.config.max_position_embeddings, _MAX_LEN.value, "--max_len")
   sampler = build.policy_sampler(model, chat, policy, mesh=None)

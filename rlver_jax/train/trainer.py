@@ -256,14 +256,15 @@ class Trainer:
     for _ in range(self.spec.rl.epochs):
       for part in parts:
         mini = batch.mini_batch(part)
+        # Each update donates the state it reads: the trainer holds the new one at once, never
+        # buffers already given away (a save after a failing critic step would read them).
         policy, policy_opt, m = self.policy_up.step(s.policy, s.policy_opt, mini, lr_scale=scale)
-        s = dataclasses.replace(s, policy=policy, policy_opt=policy_opt)
+        self.state = s = dataclasses.replace(s, policy=policy, policy_opt=policy_opt)
         if self.algorithm.has_critic:
           critic, critic_opt, mv = self.critic_up.step(s.critic, s.critic_opt, mini,
                                                        lr_scale=critic_scale)
-          s = dataclasses.replace(s, critic=critic, critic_opt=critic_opt)
+          self.state = s = dataclasses.replace(s, critic=critic, critic_opt=critic_opt)
           m = {**m, **{f"critic/{k}": v for k, v in mv.items()}}
-        self.state = s  # the donated buffers are gone: never leave the trainer holding them
         out.append(m)
     return out
 

@@ -86,14 +86,17 @@ def test_simulator_error_dialogues_get_no_weight_and_leave_the_group_statistics(
   # Reference: GRPO by hand over the 7 remaining dialogues of each group.
   adv = np.asarray(batch.advantages).reshape(-1, batch.advantages.shape[-1])
   mask = np.asarray(batch.loss_mask).reshape(adv.shape)
-  rows = iter(range(adv.shape[0]))
+  seg = np.asarray(batch.segment_ids).reshape(adv.shape)  # sample k (the step's order): id k + 1
+  k = 0
   for d in trained:
     mates = np.array([e.reward for e in trained if e.group_id == d.group_id])
     want = (d.reward - mates.mean()) / (mates.std(ddof=1) + 1e-6) if mates.std() > 0 else 0.0
     for _ in d.samples:
-      r = next(rows)
-      got = adv[r][mask[r] > 0]
+      k += 1
+      got = adv[(seg == k) & (mask > 0)]
+      assert got.size > 0
       np.testing.assert_allclose(got, np.full_like(got, want), atol=1e-4)
+  assert k == seg.max()  # every sample checked
   trainer.checkpointer.close()
 
 

@@ -71,7 +71,7 @@ bench-tunix-env: embedded install-torch
 	$(TUNIX_VENV)/bin/pip install -q -c requirements.txt -r benchmarks/requirements-tunix-deps.txt
 
 test: install install-torch
-	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=15 tests
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=15 tests
 
 clean:
 	rm -rf $(VENV) $(TORCH_VENV) build *.egg-info

@@ -23,7 +23,8 @@ from rlver_jax.aot import target as aot_target
 from rlver_jax.spec.forward import ModelShape
 from rlver_jax.rl.batch import UpdateBatch
 from rlver_jax.rl.update import token_logprobs_and_entropy
-from rlver_jax.sampling.draft_rule import draw, token_logprobs, verify
+from rlver_jax.sampling.draft_rule import draw, token_logprobs
+from rlver_jax.sampling.speculative import last_logits, verify_pass
 from rlver_jax.sampling.strategies import SamplingParams
 from rlver_jax.spec import RunSpec
 
@@ -80,26 +81,17 @@ def decode_call(shape: SamplerShape, window: int, mesh: Mesh):
 def _verify_fn(graphdef, params, cache, fed_BxK1, q_logp_BxKxV, key, sampling, *, window):
   """A verify pass as `sampling.speculative`'s loop runs it: the k + 1 positions through the cached
   model, log-probs at each under the sampling filter, the acceptance rule, the raw log-probs' norm."""
-  model = nnx.merge(graphdef, params)
-  B, K1 = fed_BxK1.shape
-  positions = cache.lengths[:, None] + jnp.arange(K1)[None, :]
-  hidden, written = model.cached_hidden_states(fed_BxK1, positions, cache.view(window))
-  logits = model.logits(hidden).astype(jnp.float32)
-  V = logits.shape[-1]
-  p = token_logprobs(logits.reshape(B * K1, V), sampling).reshape(B, K1, V)
-  n, y = verify(p, q_logp_BxKxV, fed_BxK1[:, 1:], key)
+  written, logits, _, n, y = verify_pass(nnx.merge(graphdef, params), cache, fed_BxK1,
+                                         q_logp_BxKxV, key, sampling, window)
   return written.advanced(n + 1), n, y, jax.nn.logsumexp(logits, axis=-1)
 
 
 def _draft_step_fn(graphdef, params, cache, inp_Bx2, num_B, key, sampling, *, window):
   """One draft step: its input (the backlog, or the last proposal) through the cached draft, then a
   proposal drawn from its sampling distribution."""
-  model = nnx.merge(graphdef, params)
-  positions = cache.lengths[:, None] + jnp.arange(inp_Bx2.shape[1])[None, :]
-  hidden, written = model.cached_hidden_states(inp_Bx2, positions, cache.view(window))
-  last = jnp.take_along_axis(hidden, jnp.maximum(num_B - 1, 0)[:, None, None], axis=1)[:, 0]
-  q = token_logprobs(model.logits(last).astype(jnp.float32), sampling)
-  return written.advanced(num_B), draw(key, q), q
+  logits, written = last_logits(nnx.merge(graphdef, params), cache, inp_Bx2, num_B, window)
+  q = token_logprobs(logits, sampling)
+  return written, draw(key, q), q
 
 
 def verify_call(shape: SamplerShape, draft_tokens: int, window: int, mesh: Mesh):

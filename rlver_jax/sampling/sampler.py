@@ -220,6 +220,18 @@ def _check_ids(rows: Sequence[Sequence[int]], vocab: int) -> None:
                        f"[0, {vocab})")
 
 
+def rows_going_on(live: np.ndarray, part: "DecodeResult", count: np.ndarray, budget: np.ndarray,
+                  rules, rule_state):
+  """After a decode segment: the rows that go on where it cut them short (neither stopped, by a
+  stop id or a stop rule, nor out of budget), and the stop rules' progress as host arrays (so every
+  segment of a window runs one program); `rule_state` as it was without stop rules."""
+  live = live & ~part.stopped & (count < budget)
+  if part.rule_stopped is not None:
+    live = live & ~part.rule_stopped
+    rule_state = jax.tree.map(host_array, rules)
+  return live, rule_state
+
+
 class Sampler:
   """Runs a Qwen2 model's prefill / append / decode programs on a KV cache of `max_len` slots.
 
@@ -421,10 +433,6 @@ class Sampler:
       cache, logits = part.cache, part.logits
       out.add(part)
       first += seg
-      # A row goes on where this segment cut it short: neither stopped nor out of budget.
-      live = live & ~part.stopped & (out.count < budget)
-      if part.rule_stopped is not None:
-        live &= ~part.rule_stopped
-        rule_state = jax.tree.map(host_array, final.rules)
+      live, rule_state = rows_going_on(live, part, out.count, budget, final.rules, rule_state)
       if not live.any() or first >= max_new_tokens:
         return out.result(cache, logits)

@@ -48,7 +48,7 @@ from rlver_jax.models.qwen2 import Qwen2
 from rlver_jax.parallel.sharding import host_array
 from rlver_jax.sampling.draft_rule import _NEG, draw, row_keys, token_logprobs, verify
 from rlver_jax.sampling.kv_cache import KVCache
-from rlver_jax.sampling.sampler import DecodeResult, Sampler, _Collected, bucket
+from rlver_jax.sampling.sampler import DecodeResult, Sampler, _Collected, bucket, rows_going_on
 from rlver_jax.sampling.stop_rules import StopRules, StopState, StopTables
 from rlver_jax.sampling.strategies import SamplingParams
 
@@ -108,7 +108,7 @@ def _emit(s: SpecState, z_BxC, n_cand_B, slp_BxC, mlp_BxC, stop_ids, budget_B, t
   return s, emitted
 
 
-def _last_logits(model: Qwen2, cache: KVCache, tokens_BxT, num_B, window):
+def last_logits(model: Qwen2, cache: KVCache, tokens_BxT, num_B, window):
   """Runs T tokens per row at the row's length; (logits after each row's num-th token [B, V],
   the cache written, lengths advanced by num)."""
   T = tokens_BxT.shape[1]
@@ -118,6 +118,21 @@ def _last_logits(model: Qwen2, cache: KVCache, tokens_BxT, num_B, window):
   hidden, written = model.cached_hidden_states(tokens_BxT, positions, cache.view(window))
   last = jnp.take_along_axis(hidden, jnp.maximum(num_B - 1, 0)[:, None, None], axis=1)[:, 0]
   return model.logits(last).astype(jnp.float32), written.advanced(num_B)
+
+
+def verify_pass(target: Qwen2, cache: KVCache, fed_BxK1, qs_BxKxV, key, sampling: SamplingParams,
+                window: int):
+  """The verify pass: [pending, x_0 .. x_{k-1}] (`fed`) at each row's length gives p_0 .. p_k,
+  and the acceptance rule (`draft_rule.verify`) each row's kept count n and next token y.
+  Returns (the cache written, not advanced; logits [B, k+1, V] fp32; p; n; y)."""
+  B, K1 = fed_BxK1.shape
+  positions = cache.lengths[:, None] + jnp.arange(K1)[None, :]
+  hidden, written = target.cached_hidden_states(fed_BxK1, positions, cache.view(window))
+  logits = target.logits(hidden).astype(jnp.float32)
+  V = logits.shape[-1]
+  p = token_logprobs(logits.reshape(B * K1, V), sampling).reshape(B, K1, V)
+  n, y = verify(p, qs_BxKxV, fed_BxK1[:, 1:], key)
+  return written, logits, p, n, y
 
 
 def _widened(logits_BxVd, V: int):
@@ -166,7 +181,7 @@ def _spec_decode_fn(t_graphdef, t_params, cache: KVCache, logits_BxV, d_graphdef
 
     def draft_step(i, carry):  # reads the backlog (step 0) or the last proposal, proposes x_i
       dcache, inp, n_in, xs, qs = carry
-      q_logits, dcache = _last_logits(drafter, dcache, inp, jnp.where(go, n_in, 0), draft_window)
+      q_logits, dcache = last_logits(drafter, dcache, inp, jnp.where(go, n_in, 0), draft_window)
       q = token_logprobs(_widened(q_logits, V), sampling)
       x = jnp.where(go, draw(row_keys(key_draft, i), q), pad_id)
       inp = jnp.stack([x, jnp.full_like(x, pad_id)], axis=1)
@@ -176,13 +191,9 @@ def _spec_decode_fn(t_graphdef, t_params, cache: KVCache, logits_BxV, d_graphdef
     dcache, _, _, xs, qs = jax.lax.fori_loop(
         0, k, draft_step, (s.draft_cache, s.backlog, s.backlog_n, jnp.zeros((B, k), jnp.int32),
                            jnp.zeros((B, k, V), jnp.float32)))
-    # The verify pass: [pending, x_0 .. x_{k-1}] at each row's length gives p_0 .. p_k.
     fed = jnp.concatenate([s.pending[:, None], xs], axis=1)
-    positions = s.cache.lengths[:, None] + jnp.arange(k + 1)[None, :]
-    hidden, written = target.cached_hidden_states(fed, positions, s.cache.view(window))
-    logits_all = target.logits(hidden).astype(jnp.float32)                      # [B, k+1, V]
-    p = token_logprobs(logits_all.reshape(B * (k + 1), V), sampling).reshape(B, k + 1, V)
-    n, y = verify(p, qs, xs, key_verify)
+    written, logits_all, p, n, y = verify_pass(target, s.cache, fed, qs, key_verify, sampling,
+                                               window)
     col = jnp.arange(k + 1)[None, :]
     z = jnp.where(col < n[:, None], jnp.pad(xs, ((0, 0), (0, 1))), y[:, None])  # x_0..x_{n-1}, y
     raw_logp = pick(logits_all, z) - jax.nn.logsumexp(logits_all, axis=-1)  # no [B, k+1, V] copy
@@ -210,9 +221,9 @@ def _spec_decode_fn(t_graphdef, t_params, cache: KVCache, logits_BxV, d_graphdef
 
   s = jax.lax.while_loop(cond, body, s)
   # Closing pass: the pending token into the target's cache, the backlog into the draft's.
-  logits, cache = _last_logits(target, s.cache, s.pending[:, None],
+  logits, cache = last_logits(target, s.cache, s.pending[:, None],
                                s.has_pending.astype(jnp.int32), window)
-  _, draft_cache = _last_logits(drafter, s.draft_cache, s.backlog, s.backlog_n, draft_window)
+  _, draft_cache = last_logits(drafter, s.draft_cache, s.backlog, s.backlog_n, draft_window)
   return dataclasses.replace(s, cache=cache, draft_cache=draft_cache,
                              logits=jnp.where(s.has_pending[:, None], logits, s.logits),
                              passes=s.passes + s.has_pending)
@@ -352,10 +363,7 @@ class SpeculativeSampler:
       counts += np.stack([host_array(s.proposed), host_array(s.accepted), passes])
       t.calls.verify(window, draft_window, int(passes.max(initial=0)), self.k)
       first += seg
-      live = live & ~part.stopped & (out.count < budget)
-      if part.rule_stopped is not None:
-        live &= ~part.rule_stopped
-        rule_state = jax.tree.map(host_array, s.rules)
+      live, rule_state = rows_going_on(live, part, out.count, budget, s.rules, rule_state)
       if not live.any() or first >= max_new_tokens:
         return SpeculativeResult(decode=out.result(cache, logits), draft_cache=draft_cache,
                                  proposed=counts[0], accepted=counts[1], passes=counts[2])

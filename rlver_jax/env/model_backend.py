@@ -126,6 +126,13 @@ class ModelBackend(HistoryBackend):
     (self.cache, self.draft_cache), self.logits = self.spec.append(
         self.params, self.draft_params, (self.cache, self.draft_cache), rows, self.logits)
 
+  def _copy_rows(self, slots: dict[int, int]) -> None:
+    if self.spec is None:
+      self.cache, self.logits = self.sampler.copy_rows(self.cache, self.logits, slots)
+      return
+    (self.cache, self.draft_cache), self.logits = self.spec.copy_rows(
+        (self.cache, self.draft_cache), self.logits, slots)
+
   def _decode(self, rng, active: np.ndarray, rules):
     kw = dict(rng=rng, max_new_tokens=self.max_new_tokens, sampling=self.sampling, active=active,
               stop_rules=rules)
@@ -171,11 +178,8 @@ class ModelBackend(HistoryBackend):
     """Copies the rows' contexts and KV cache rows: the copies' shared prefix is computed once."""
     super().clone_rows(sources)
     slots = {self._slot(dst): self._slot(src) for dst, src in sources.items()}
-    if self.share_prefix and self.spec is not None:
-      (self.cache, self.draft_cache), self.logits = self.spec.copy_rows(
-          (self.cache, self.draft_cache), self.logits, slots)
-    elif self.share_prefix:
-      self.cache, self.logits = self.sampler.copy_rows(self.cache, self.logits, slots)
+    if self.share_prefix:
+      self._copy_rows(slots)
     else:  # the same tokens, computed again for each copy
       rows = [[] for _ in range(self.cache.batch_size)]
       lengths = host_array(self.cache.lengths).copy()

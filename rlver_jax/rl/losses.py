@@ -48,15 +48,17 @@ def aggregate(
     norm_len: int | None = None,
     chunks: int = 1,
     weights: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
-  """Reduces a [B, T] per-token loss to a scalar: sum(loss * token_weights(mask, mode, ...)).
+  """Reduces a [B, T] per-token loss to a scalar: sum(loss * token_weights(mask, mode, ...)), the
+  samples those of `segment_ids` (packed rows) or the rows.
 
   With `weights` (from `token_weights` over a larger batch), returns sum(loss * weights): summing
   that over micro-batches gives exactly the aggregate of the whole batch.
   """
   x = loss_tokens.astype(_F32)
   if weights is None:
-    weights = token_weights(mask, mode, norm_len=norm_len, chunks=chunks)
+    weights = token_weights(mask, mode, norm_len=norm_len, chunks=chunks, segment_ids=segment_ids)
   return (x * weights).sum()
 
 
@@ -160,7 +162,8 @@ def policy_loss(
     metrics["is_weight_mean"] = _masked_mean(correction, w)
   metrics.update(_ratio_metrics(log_ratio, ratio, clip_active, dual_active, w))
   metrics = {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
-  return aggregate(loss_tok, mask, agg, norm_len=norm_len, chunks=chunks, weights=weights), metrics
+  return aggregate(loss_tok, mask, agg, norm_len=norm_len, chunks=chunks, weights=weights,
+                   segment_ids=segment_ids), metrics
 
 
 def _sequence_log_ratio(log_ratio: jax.Array, logp: jax.Array, w: jax.Array,

@@ -63,11 +63,10 @@ def pack_step(dialogues: Sequence[PackableDialogue], micro_rows: int, pad_id: in
               pack_length: int | None = None) -> Packed:
   """The samples of `dialogues` in the step's layout (`step_places`)."""
   lengths = _lengths(dialogues)
-  layout, places = step_places(lengths, micro_rows, mini_batch_rows=mini_batch_rows,
-                               mini_batches=mini_batches, shards=shards, pack_length=pack_length)
   unpacked = BatchLayout.for_step(len(lengths), max(lengths, default=1), micro_rows,
                                   mini_batch_rows=mini_batch_rows, mini_batches=mini_batches,
                                   shards=shards)
+  layout, places = _places_in(unpacked, lengths, micro_rows, shards, pack_length)
   return pack_into(dialogues, layout, pad_id, places, unpacked_length=unpacked.length)
 
 
@@ -81,9 +80,15 @@ def step_places(lengths: Sequence[int], micro_rows: int, *, mini_batch_rows: int
   layout = BatchLayout.for_step(len(lengths), max(lengths, default=1), micro_rows,
                                 mini_batch_rows=mini_batch_rows, mini_batches=mini_batches,
                                 shards=shards)
+  return _places_in(layout, lengths, micro_rows, shards, pack_length)
+
+
+def _places_in(unpacked: BatchLayout, lengths: Sequence[int], micro_rows: int, shards: int,
+               pack_length: int | None) -> tuple[BatchLayout, list[tuple[int, int]]]:
+  """`step_places` from the step's one-sample-a-row layout `unpacked`."""
   if pack_length is None:
-    return layout, [(layout.row_of(k), 0) for k in range(len(lengths))]
-  return packed_places(lengths, layout, micro_rows, shards, pack_length)
+    return unpacked, [(unpacked.row_of(k), 0) for k in range(len(lengths))]
+  return packed_places(lengths, unpacked, micro_rows, shards, pack_length)
 
 
 def _lengths(dialogues: Sequence[PackableDialogue]) -> list[int]:

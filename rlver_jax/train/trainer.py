@@ -82,7 +82,7 @@ class Trainer:
     self.policy_up, self.critic, self.critic_up = p.policy_up, p.critic, p.critic_up
     with jax.set_mesh(self.mesh):
       self.state = self._init_state()
-    self.state = self._with_rollout_copy(self.state)
+    self._refresh_rollout_copy()
     self.step = 0
     # Held while the state changes (the update donates it) and while a step's outputs are written:
     # a save on SIGTERM from the watcher thread waits for it, so it sees one whole step.
@@ -108,12 +108,12 @@ class Trainer:
         critic_opt=None if critic is None else self.critic_up.init(critic),
         reference=jax.tree.map(jnp.copy, policy) if self.spec.rl.kl_coef > 0 else None)
 
-  def _with_rollout_copy(self, state: TrainState) -> TrainState:
-    """`state` with its policy copied into the rollout's layout; the old copy is freed first, so
-    the old and new copies never coexist."""
-    state = dataclasses.replace(state, rollout=None)
-    self.state = state  # the trainer's reference to the old copy goes too
-    return dataclasses.replace(state, rollout=self.decode_copy.refresh(state.policy))
+  def _refresh_rollout_copy(self) -> None:
+    """The state's policy copied into the rollout's layout; the old copy is dropped first, so the
+    old and new copies never coexist."""
+    self.state = dataclasses.replace(self.state, rollout=None)
+    self.state = dataclasses.replace(self.state,
+                                     rollout=self.decode_copy.refresh(self.state.policy))
 
   @property
   def ref(self):
@@ -133,7 +133,8 @@ class Trainer:
       self.writer.drop_after(0)  # rows of an earlier attempt that never saved: it starts over
       return False
     state, meta = restored
-    self.state = self._with_rollout_copy(self.state.restored(state))
+    self.state = self.state.restored(state)
+    self._refresh_rollout_copy()
     self.step = int(meta["step"])
     self.profile_sampler.load_state_dict(meta["profile_sampler"])
     self._sampler_after_step = self.profile_sampler.state_dict()
@@ -325,7 +326,7 @@ class Trainer:
         batch, extra = self.make_batch(rolled.trained)
         metrics = self.update(batch)
         jax.block_until_ready(self.state.policy)
-        self.state = self._with_rollout_copy(self.state)
+        self._refresh_rollout_copy()
         metrics.update(self.decode_copy.metrics())
         self.step += 1
         self._sampler_after_step = self.profile_sampler.state_dict()

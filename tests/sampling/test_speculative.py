@@ -70,15 +70,15 @@ def _speculative(spec, params, draft_params, rules, budget, sampling=GREEDY, key
                      active=active)
 
 
-def _assert_same_decode(got, want):
+def _assert_same_decode(got, want, atol=1e-4):  # log-probs and last logits
   np.testing.assert_array_equal(got.num_tokens, want.num_tokens)
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_array_equal(got.stopped, want.stopped)
   np.testing.assert_array_equal(got.rule_stopped, want.rule_stopped)
-  np.testing.assert_allclose(got.model_logp, want.model_logp, atol=1e-4)
-  np.testing.assert_allclose(got.sample_logp, want.sample_logp, atol=1e-4)
+  np.testing.assert_allclose(got.model_logp, want.model_logp, atol=atol)
+  np.testing.assert_allclose(got.sample_logp, want.sample_logp, atol=atol)
   np.testing.assert_array_equal(np.asarray(got.cache.lengths), np.asarray(want.cache.lengths))
-  np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=1e-4)
+  np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=atol)
 
 
 @pytest.mark.parametrize("draft", ["random", "noisy", "self"])

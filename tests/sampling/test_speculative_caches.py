@@ -115,5 +115,16 @@ def test_int8_target_cache_with_a_one_token_draft(target, drafts):
   got = _speculative(spec, params, draft_params, _rules(), None)
   assert got.decode.cache.int8 and not got.draft_cache.int8
   assert 0 < got.accepted.sum() < got.proposed.sum()
-  _assert_same_decode(got.decode, want)
+  # The verify pass projects k + 1 tokens in one matmul, the plain decode one: their K/V differ in
+  # the last float bit, which can move a value sitting on a rounding boundary by one int8 step (a
+  # ~1e-3 change of later log-probs and logits). The kept slots' codes agree to that step, the
+  # tokens exactly.
+  assert want.cache.layout == "heads_major"  # k/v [L, B, K, S, Dh] on CPU
+  L, B, K, S, _ = want.cache.k.shape
+  kept = np.broadcast_to((np.arange(S) < np.asarray(want.cache.lengths)[:, None])[:, None], (B, K, S))
+  for name in ("k", "v"):
+    a, b = (np.asarray(getattr(c, name), np.int32) for c in (got.decode.cache, want.cache))
+    steps = np.abs(a - b)[:, kept]  # [L, kept slots of every row and head, Dh]
+    assert steps.max() <= 1 and (steps > 0).mean() < 0.01, (name, steps.max(), (steps > 0).mean())
+  _assert_same_decode(got.decode, want, atol=5e-3)
   np.testing.assert_array_equal(np.asarray(got.draft_cache.lengths), np.asarray(want.cache.lengths))

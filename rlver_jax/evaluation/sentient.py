@@ -2,7 +2,8 @@
 
 `run(config, workdir)` is the whole evaluation behind `python -m rlver_jax.evaluate`. The parts are
 reusable on their own (the trainer's held-out evaluation runs the same dialogues): `run_profiles`
-plays every profile once, `eval_summary` scores the dialogues, `write_outputs` writes
+plays every profile once, `eval_summary` scores the dialogues (with a simulator draft, `run` adds its
+`simulator/draft_acceptance` and `simulator/tokens_per_verify`), `write_outputs` writes
 WORKDIR/{eval_summary.json, transcripts.jsonl, emotion_trajectories.png, config.json}.
 """
 from __future__ import annotations
@@ -178,6 +179,8 @@ def run(spec: EvaluationSpec, workdir: str) -> tuple[dict, dict[str, str]]:
                            rng=jax.random.key(spec.seed),
                            progress=spec.log.progress_bar and jax.process_index() == 0)
   summary = eval_summary(dialogues)
+  # A simulator draft's acceptance over the whole evaluation (training logs it per step).
+  summary.update(getattr(parts.backend, "take_draft_metrics", dict)())
   summary.update(policy_checkpoint=parts.policy_path, eval_seconds=time.perf_counter() - t0,
                  config=json.loads(config_json(spec.source)),
                  provenance={**provenance.describe(spec), "layouts": parts.layouts})

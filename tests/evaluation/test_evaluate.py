@@ -108,6 +108,7 @@ def test_summary_agrees_with_transcripts(world, tmp_path, start_emotion):
   advice = [t["final_emotion"] for t in transcripts if t["task"] == _ADVICE]
   assert summary["by_task"]["actionable_advice"]["score"] == pytest.approx(np.mean(advice))
   assert summary["config"]["eval"]["start_emotion"] == start_emotion
+  assert "simulator/draft_acceptance" not in summary  # no draft, no draft figures
   # The prompt texts and code version the score came from (prompts live in code, not the config).
   from rlver_jax.run import provenance
   assert summary["provenance"]["prompts_sha256"] == provenance.prompts_sha256(
@@ -125,6 +126,22 @@ def test_summary_agrees_with_transcripts(world, tmp_path, start_emotion):
   from PIL import Image
   with Image.open(paths["plot"]) as im:
     im.verify()
+
+
+def test_a_simulator_draft_reports_its_acceptance(world, tmp_path):
+  """The co-located simulator as its own draft (greedy, float32): every proposal is kept, and the
+  summary says so beside the score."""
+  config = _config(world, **{"simulator.backend": "model", "simulator.checkpoint": world["policy"],
+                             "simulator.dtype": "float32", "simulator.temperature": 0.0,
+                             "simulator.max_context": 512, "simulator.max_new_tokens": 8,
+                             "simulator.max_parse_retries": 0,
+                             "simulator.draft_checkpoint": world["policy"],
+                             "simulator.draft_tokens": 3, "eval.num_profiles": 2,
+                             "eval.max_turns": 1})
+  summary, _ = eval_run.run(EvaluationSpec.from_config(config), str(tmp_path))
+  assert summary["simulator/draft_acceptance"] == 1.0
+  assert summary["simulator/tokens_per_verify"] > 2.0
+  assert summary == _read(tmp_path)[0]
 
 
 def _check_transcript(tr: dict, first_talk: str | None, start: int, max_turns: int) -> None:

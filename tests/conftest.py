@@ -1,32 +1,38 @@
-"""Test-wide setup: CPU only, 8 fake devices (before jax is imported) so sharding tests can build meshes."""
+"""Test-wide setup: CPU only, 8 fake devices (before jax is imported) so sharding tests can build meshes,
+and the tiny programs' compile flags (`fixtures/compile_flags.py`)."""
 import os
 import pathlib
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# Shared helpers (the tiny world, the GCS emulator, HF checkpoint builders) live in tests/fixtures;
+# tests in every folder import them by module name.
+sys.path.insert(0, str(REPO / "tests" / "fixtures"))
+
+from compile_flags import TINY_PROGRAMS  # noqa: E402
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TINY_PROGRAMS}")
 
 import atexit  # noqa: E402
 import shutil  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-# Every Trainer jits its update step and old-log-prob pass anew (bound methods), so each tiny-world
-# run in a test process compiled the same programs again (~6 s a run). A persistent cache of this
-# process's own compilations makes each program compile once. It is set in-process only (not in
-# the environment): subprocess runs (CLI, multi-host, kill tests) compile as a user's run does.
+# Every trainer and sampler a test builds jits its programs anew, so each tiny-world run in a test
+# process compiled the same programs again (~6 s a run). A persistent cache of this process's own
+# compilations makes each program compile once. (One cache shared by both xdist workers was slower:
+# jax locks a shared folder and scans it on every write, 28:55 for the suite against 23:29.) It is
+# set in-process only (not in the environment): subprocess runs (CLI, multi-host, kill tests)
+# compile as a user's run does.
 _XLA_CACHE = tempfile.mkdtemp(prefix="rlver_jax_test_xla_")
 atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # the tiny model's are ~0.1-5 s
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-# Shared helpers (the tiny world, the GCS emulator, HF checkpoint builders) live in tests/fixtures;
-# tests in every folder import them by module name.
-sys.path.insert(0, str(REPO / "tests" / "fixtures"))
 SHARED = REPO.parent / "shared"
 
 from memory_maps import release_compiled_programs_above  # noqa: E402

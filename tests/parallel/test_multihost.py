@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import tiny_world
+from compile_flags import TINY_PROGRAMS
 from rlver_jax.run.outcomes import PREEMPTED_EXIT
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -36,7 +37,7 @@ REDUCED = {"loss", "pg_loss", "entropy", "grad_norm", "approx_kl", "clip_frac", 
 
 def _env() -> dict[str, str]:
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO / "tests" / "fixtures"))
-  env.pop("XLA_FLAGS", None)  # the device count comes from --cpu_devices, as on a real host
+  env["XLA_FLAGS"] = TINY_PROGRAMS  # the device count comes from --cpu_devices, as on a real host
   return env
 
 

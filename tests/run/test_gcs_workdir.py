@@ -16,6 +16,7 @@ import pytest
 
 import gcs_emulator
 import tiny_world
+from compile_flags import TINY_PROGRAMS
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BUCKET = "rlver-test"
@@ -28,7 +29,7 @@ pytest.importorskip("gcsfs")
 def _train(url: str, flags: list[str], log: pathlib.Path, cache: pathlib.Path) -> str:
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO / "tests" / "fixtures"),
              JAX_COMPILATION_CACHE_DIR=str(cache), **gcs_emulator.env(url))
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = TINY_PROGRAMS  # one device, no fake ones
   for k in gcs_emulator.DERIVED_ENV:  # derived by the child from STORAGE_EMULATOR_HOST, not inherited
     env.pop(k, None)
   with open(log, "w") as out:

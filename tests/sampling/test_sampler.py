@@ -119,14 +119,20 @@ def test_append_equals_reprefill(checkpoint, layout):
 
 
 class CompileCounter:
-  """Counts XLA backend compilations (not Python-level cache entries)."""
+  """Counts XLA executables made: backend compilations and loads from the suite's persistent cache
+  (the other test worker may have compiled the same program first), not Python-level cache hits."""
 
   def __init__(self):
     self.count = 0
-    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+    jax.monitoring.register_event_duration_secs_listener(self._on_compile)
+    jax.monitoring.register_event_listener(self._on_load)
 
-  def _on_event(self, event, duration, **kw):
+  def _on_compile(self, event, duration, **kw):
     if event == "/jax/core/compile/backend_compile_duration":
+      self.count += 1
+
+  def _on_load(self, event, **kw):
+    if event == "/jax/compilation_cache/cache_hits":
       self.count += 1
 
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import tiny_world
+from compile_flags import TINY_PROGRAMS
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # The CLI itself, with array writes of step 3's checkpoint failing as on a full disk.
@@ -24,7 +25,7 @@ def world(tmp_path_factory):
 
 def _main(flags, cache: pathlib.Path, code: str | None = None):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO / "tests" / "fixtures"))
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = TINY_PROGRAMS  # one device, no fake ones
   # The later launches load what the first compiled: this test is about the console, not compiles.
   env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

@@ -1,5 +1,5 @@
 """`make demo`'s config: the scripted user on the venting demo profiles, `:model` one swap away, and
-the same run, shortened to 2 steps, ending with its summary and outputs (the reward margin of the
+the same run, shortened to 2 steps of one short turn, ending with its summary and outputs (the reward margin of the
 full run is a benchmark in the README, not a test)."""
 import importlib.util
 import json
@@ -51,7 +51,8 @@ def test_the_demo_shortened_prints_its_summary_and_writes_its_outputs(tmp_path):
   env.pop("XLA_FLAGS", None)
   proc = subprocess.run(
       [sys.executable, "-m", "rlver_jax.main", "--config=configs/demo.py", f"--workdir={tmp_path}",
-       "--config.total_steps=2", "--config.eval.every_steps=2", "--config.checkpoint.every_steps=2"],
+       "--config.total_steps=2", "--config.eval.every_steps=2", "--config.checkpoint.every_steps=2",
+       "--config.simulator.max_turns=1", "--config.policy.max_new_tokens=12"],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=2400)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout

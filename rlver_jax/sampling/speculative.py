@@ -222,7 +222,7 @@ def _spec_decode_fn(t_graphdef, t_params, cache: KVCache, logits_BxV, d_graphdef
   s = jax.lax.while_loop(cond, body, s)
   # Closing pass: the pending token into the target's cache, the backlog into the draft's.
   logits, cache = last_logits(target, s.cache, s.pending[:, None],
-                               s.has_pending.astype(jnp.int32), window)
+                              s.has_pending.astype(jnp.int32), window)
   _, draft_cache = last_logits(drafter, s.draft_cache, s.backlog, s.backlog_n, draft_window)
   return dataclasses.replace(s, cache=cache, draft_cache=draft_cache,
                              logits=jnp.where(s.has_pending[:, None], logits, s.logits),

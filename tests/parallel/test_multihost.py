@@ -7,7 +7,6 @@ checkpoint of it. The HTTP simulator is asked by process 0 only.
 """
 import http.server
 import json
-import os
 import pathlib
 import signal
 import subprocess
@@ -21,7 +20,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import tiny_world
-from compile_flags import TINY_PROGRAMS
+from compile_flags import tiny_run_env
 from rlver_jax.run.outcomes import PREEMPTED_EXIT
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -36,9 +35,7 @@ REDUCED = {"loss", "pg_loss", "entropy", "grad_norm", "approx_kl", "clip_frac", 
 
 
 def _env() -> dict[str, str]:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO / "tests" / "fixtures"))
-  env["XLA_FLAGS"] = TINY_PROGRAMS  # the device count comes from --cpu_devices, as on a real host
-  return env
+  return tiny_run_env()  # the device count comes from --cpu_devices, as on a real host
 
 
 def _start(args: list[str], log: pathlib.Path) -> subprocess.Popen:

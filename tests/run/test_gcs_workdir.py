@@ -6,7 +6,6 @@ The child processes get only STORAGE_EMULATOR_HOST, as a user would set it; `rlv
 the other GCS clients (tensorstore under orbax, gcsfs under epath) at the same emulator.
 """
 import json
-import os
 import pathlib
 import struct
 import subprocess
@@ -16,7 +15,7 @@ import pytest
 
 import gcs_emulator
 import tiny_world
-from compile_flags import TINY_PROGRAMS
+from compile_flags import tiny_run_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BUCKET = "rlver-test"
@@ -27,9 +26,7 @@ pytest.importorskip("gcsfs")
 
 
 def _train(url: str, flags: list[str], log: pathlib.Path, cache: pathlib.Path) -> str:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO / "tests" / "fixtures"),
-             JAX_COMPILATION_CACHE_DIR=str(cache), **gcs_emulator.env(url))
-  env["XLA_FLAGS"] = TINY_PROGRAMS  # one device, no fake ones
+  env = tiny_run_env(JAX_COMPILATION_CACHE_DIR=str(cache), **gcs_emulator.env(url))
   for k in gcs_emulator.DERIVED_ENV:  # derived by the child from STORAGE_EMULATOR_HOST, not inherited
     env.pop(k, None)
   with open(log, "w") as out:

@@ -119,8 +119,8 @@ def test_append_equals_reprefill(checkpoint, layout):
 
 
 class CompileCounter:
-  """Counts XLA executables made: backend compilations and loads from the suite's persistent cache
-  (the other test worker may have compiled the same program first), not Python-level cache hits."""
+  """Counts XLA executables made: backend compilations and loads from the test process's persistent
+  cache (an earlier test may have compiled the same program), not Python-level cache hits."""
 
   def __init__(self):
     self.count = 0

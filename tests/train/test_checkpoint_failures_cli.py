@@ -1,7 +1,6 @@
 """What the command prints when its checkpoints fail: a disk that fills during a save, then every
 checkpoint damaged. Each is exactly one `error:` line on stderr (no library tracebacks, also none
 printed as the process ends) and exit status 1; the same command resumes once the cause is gone."""
-import os
 import pathlib
 import re
 import subprocess
@@ -10,7 +9,7 @@ import sys
 import pytest
 
 import tiny_world
-from compile_flags import TINY_PROGRAMS
+from compile_flags import tiny_run_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # The CLI itself, with array writes of step 3's checkpoint failing as on a full disk.
@@ -24,11 +23,8 @@ def world(tmp_path_factory):
 
 
 def _main(flags, cache: pathlib.Path, code: str | None = None):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO / "tests" / "fixtures"))
-  env["XLA_FLAGS"] = TINY_PROGRAMS  # one device, no fake ones
   # The later launches load what the first compiled: this test is about the console, not compiles.
-  env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  env = tiny_run_env(cache)
   head = ["-c", code] if code else ["-m", "rlver_jax.main"]
   return subprocess.run([sys.executable, *head, *flags], cwd=REPO, env=env, capture_output=True,
                         text=True, timeout=900)

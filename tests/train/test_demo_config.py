@@ -1,6 +1,6 @@
 """`make demo`'s config: the scripted user on the venting demo profiles, `:model` one swap away, and
-the same run, shortened to 2 steps of one short turn, ending with its summary and outputs (the reward margin of the
-full run is a benchmark in the README, not a test)."""
+the same run, shortened to 2 steps of one short turn, ending with its summary and outputs (the
+reward margin of the full run is a benchmark in the README, not a test)."""
 import importlib.util
 import json
 import os

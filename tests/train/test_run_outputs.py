@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import tiny_world
-from compile_flags import TINY_PROGRAMS
+from compile_flags import tiny_run_env
 from rlver_jax.train import loop as train
 from rlver_jax.spec import RunSpec
 from rlver_jax.train.summary import reward_start_end, summary_lines
@@ -105,11 +105,8 @@ def test_reward_start_end_never_overlaps():
 
 
 def _main(args, xla_cache: pathlib.Path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO / "tests" / "fixtures"))
-  env["XLA_FLAGS"] = TINY_PROGRAMS  # one device, no fake ones
   # The second launch loads what the first compiled: this test is about the console, not compiles.
-  env.update(JAX_COMPILATION_CACHE_DIR=str(xla_cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  env = tiny_run_env(xla_cache)
   return _decoded(subprocess.run([sys.executable, "-m", "rlver_jax.main", *args], cwd=REPO, env=env,
                                  capture_output=True, timeout=900))
 

@@ -62,12 +62,13 @@ def append_call(shape: SamplerShape, tokens: int, window: int, mesh: Mesh):
 def decode_call(shape: SamplerShape, window: int, mesh: Mesh):
   """`Sampler.decode` at `window`: its loop body (one token per row) is what XLA's cost counts once.
 
-  The cache's k and v take the layout the compiler picks (`Layout.AUTO`, in and out): XLA:TPU keeps
-  a decode loop's cache in the layout its writes want and converts it once around the loop, so a
-  step pays no conversion. Traced as one step with the arguments' default layout, the step would
-  pay two copies of the whole cache where the default layout is not the loop's (measured on the
-  2-layer test model, head_dim 64, 8k cache, 4 v5p chips: 553 MB -> 12 MB a step; Qwen2.5's
-  head_dim 128 needs no conversion: the 7B and 72B steps cost the same either way)."""
+  The weights and the cache's k and v take the layouts the compiler picks (`Layout.AUTO`): XLA:TPU
+  converts a decode loop's loop-invariant weights and its cache to the layouts the loop body wants
+  once, before the loop, so a step pays no conversion. Traced as one step with the arguments'
+  default layouts, each step would pay those copies: the whole cache where its default layout is not
+  the loop's (the 2-layer test model, head_dim 64, 8k cache, 4 v5p chips: 553 MB -> 12 MB a step),
+  and the q projection's and the k and v projections' weights (the 72B on v5p-64, 4x1x8: 287 MB a
+  layer -> 254 MB, for a 219 MB weight shard; the compiled loop copies them once a call)."""
   sampler, params, cache = ap.sampler_inputs(shape.model, shape.rows, shape.max_len, mesh, shape.layout)
   V = ap.model_config(shape.model).vocab_size
   row = lambda dtype: ap.abstract_array((shape.rows,), dtype, ("batch",), mesh)
@@ -75,7 +76,7 @@ def decode_call(shape: SamplerShape, window: int, mesh: Mesh):
           row(jnp.bool_), row(jnp.int32),
           *ap._replicated(mesh, (sampler.stop_ids, jax.random.key(0), SamplingParams.make())))
   static = dict(window=window, max_new=shape.max_new, pad_id=sampler.pad_id)
-  return _auto_cache_layout(ap.Bound(sampler._decode, (sampler.graphdef,), static), args, cache, mesh), args
+  return _auto_layouts(ap.Bound(sampler._decode, (sampler.graphdef,), static), args, cache, mesh), args
 
 
 def _verify_fn(graphdef, params, cache, fed_BxK1, q_logp_BxKxV, key, sampling, *, window):
@@ -103,7 +104,7 @@ def verify_call(shape: SamplerShape, draft_tokens: int, window: int, mesh: Mesh)
           ap.abstract_array((B, k, V), jnp.float32, ("batch", None, "act_vocab"), mesh),
           *ap._replicated(mesh, (jax.random.key(0), SamplingParams.make())))
   bound = ap.Bound(_verify_fn, (sampler.graphdef,), dict(window=window))
-  return _auto_cache_layout(bound, args, cache, mesh), args
+  return _auto_layouts(bound, args, cache, mesh), args
 
 
 def draft_step_call(shape: SamplerShape, window: int, mesh: Mesh):
@@ -114,18 +115,20 @@ def draft_step_call(shape: SamplerShape, window: int, mesh: Mesh):
   args = (params, cache, row(jnp.int32, 2), row(jnp.int32),
           *ap._replicated(mesh, (jax.random.key(0), SamplingParams.make())))
   bound = ap.Bound(_draft_step_fn, (sampler.graphdef,), dict(window=window))
-  return _auto_cache_layout(bound, args, cache, mesh), args
+  return _auto_layouts(bound, args, cache, mesh), args
 
 
-def _auto_cache_layout(bound: ap.Bound, args, cache, mesh: Mesh):
-  """`bound` as a jit whose cache arrays (k, v: matched by shape) have compiler-chosen layouts."""
+def _auto_layouts(bound: ap.Bound, args, cache, mesh: Mesh):
+  """`bound` as a jit whose weights (`args[0]`) and cache arrays (k, v: matched by shape) have
+  compiler-chosen layouts: one step of a loop that converts them once, before it starts."""
   big = {cache.k.shape, cache.v.shape}
   fn = lambda *a: bound.fn(*bound.head, *a, **bound.static)
-  pick = lambda x: Format(Layout.AUTO, x.sharding) if x.shape in big else x.sharding
+  auto = lambda x: Format(Layout.AUTO, x.sharding)
+  pick = lambda x: auto(x) if x.shape in big else x.sharding
   with jax.set_mesh(mesh):
     out = jax.eval_shape(fn, *args)
-  return jax.jit(fn, in_shardings=jax.tree.map(pick, args), out_shardings=jax.tree.map(pick, out),
-                 donate_argnums=(1,))
+  ins = (jax.tree.map(auto, args[0]), *jax.tree.map(pick, args[1:]))
+  return jax.jit(fn, in_shardings=ins, out_shardings=jax.tree.map(pick, out), donate_argnums=(1,))
 
 
 def _policy_layers(spec: RunSpec, layers: int) -> RunSpec:

@@ -194,8 +194,8 @@ def compiled_cost(fn, args, mesh: Mesh, between_meshes: bool = False,
 
 def _depths(layers: int) -> tuple[int, ...]:
   """Layer counts to compile at: 3 and 4, or the real one. Fewer layers compile differently: the
-  72B simulator's decode step on v5p-64 (4x1x8) costs 1,442 / 1,467 / 1,755 MB a device at 2 / 3 / 4
-  layers, so 2 -> 3 gave 25 MB a layer for 219 MB of weights, 3 -> 4 gives 288 MB."""
+  72B simulator's decode step on v5p-64 (4x1x8) costs 1,243 / 1,363 / 1,617 / 1,871 MB a device at
+  2 / 3 / 4 / 5 layers, so 2 -> 3 gives 120 MB a layer for 219 MB of weights, later steps 254 MB."""
   return (layers,) if layers <= 4 else (3, 4)
 
 

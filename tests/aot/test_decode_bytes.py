@@ -1,7 +1,8 @@
-"""Invariants that catch an undercount: a decode step priced by the step-time model reads at least
+"""Invariants that catch a miscount: a decode step priced by the step-time model reads at least
 the chip's weight shard (all but the token embedding's table, of which a step reads one row a
 cache row) plus the keys and values of the cache slots it attends, on the tiny model (extrapolated
-from 3 and 4 layers) and on the 7B and 72B presets at the paper's rows on v5p-64 (libtpu)."""
+from 3 and 4 layers) and on the 7B and 72B presets at the paper's rows on v5p-64 (libtpu), and
+there less than 1.25x that."""
 import importlib.util
 import runpy
 
@@ -78,3 +79,6 @@ def test_the_7b_and_72b_decode_steps_read_their_weight_shards_on_v5p_64():
   config.policy.max_context = config.simulator.max_context = 64
   ratios = _check_decode_bytes(aot_target.from_config(config), "v5p:2x4x4")
   assert set(ratios) == {"policy/W64", "simulator/W64"}
+  # An overcount: a step priced with its weights in their stored layouts pays the relayout that the
+  # compiled loop makes once a call (the 72B's q, k and v projections: 1.31x; 1.16x without).
+  assert max(ratios.values()) < 1.25, ratios

@@ -29,7 +29,9 @@ from rlver_jax.models.tokenizer import ChatTokens, load_tokenizer
 from rlver_jax.parallel.sharding import MeshConfig, make_mesh
 from rlver_jax.rl.update import Updater, make_optimizer
 from rlver_jax.sampling.decode_copy import DecodeCopy
+from rlver_jax.sampling.drafted import DraftedSampler
 from rlver_jax.sampling.sampler import Sampler
+from rlver_jax.sampling.speculative import SpeculativeSampler
 from rlver_jax.sampling.strategies import SamplingParams
 from rlver_jax.spec import (ConfigError, CriticSpec, EvaluationSpec, PolicySpec, RunSpec,
                             SimulatorSpec)
@@ -188,26 +190,34 @@ def simulator_mesh(sim: SimulatorSpec, train: MeshConfig, train_mesh) -> tuple[o
                      param_dtype_of(sim.dtype), "simulator", int8_weights=sim.weight_dtype == "int8")
 
 
+def checked_draft(draft: str, key: str, target: str, target_key: str, target_config: Qwen2Config,
+                  max_context: int, context_key: str, role: str) -> Qwen2Config:
+  """The config of a draft checkpoint (`draft` at config `key`) for the `role` model `target` (at
+  `target_key`), checked against it: the same tokenizer (the verify rule compares their
+  distributions token by token), at most its embedding rows (Qwen2.5's small models pad to fewer
+  than its large ones), and room for `max_context` (config `context_key`)."""
+  label, target_label = f"config.{key}={draft!r}", f"config.{target_key}={target!r}"
+  path = resolve_checkpoint(draft, key)
+  config = read_config(path)
+  vocab = load_tokenizer(path).get_vocab()
+  target_vocab = load_tokenizer(resolve_checkpoint(target, target_key)).get_vocab()
+  if vocab != target_vocab:
+    raise ConfigError(f"{label} has another tokenizer ({len(vocab)} tokens) than {target_label} "
+                      f"({len(target_vocab)}): a draft needs the {role}'s vocabulary")
+  if not len(vocab) <= config.vocab_size <= target_config.vocab_size:
+    raise ConfigError(f"{label} has {config.vocab_size} vocabulary rows, {target_label} "
+                      f"{target_config.vocab_size}: a draft needs at most the {role}'s")
+  check_context(config.max_position_embeddings, max_context,
+                f"config.{context_key} (the draft {draft!r})")
+  return config
+
+
 def draft_config(sim: SimulatorSpec) -> Qwen2Config:
   """The simulator's draft model config (config.simulator.draft_checkpoint), checked against the
-  simulator's: the same tokenizer (the verify rule compares their distributions token by token),
-  at most the simulator's embedding rows (Qwen2.5's small models pad to fewer than its large ones),
-  and room for simulator.max_context."""
-  key = f"config.simulator.draft_checkpoint={sim.draft_checkpoint!r}"
-  path = resolve_checkpoint(sim.draft_checkpoint, "simulator.draft_checkpoint")
-  target_path = resolve_checkpoint(sim.checkpoint, "simulator.checkpoint")
-  config, target = read_config(path), simulator_config(sim)
-  vocab, target_vocab = load_tokenizer(path).get_vocab(), load_tokenizer(target_path).get_vocab()
-  sim_key = f"config.simulator.checkpoint={sim.checkpoint!r}"
-  if vocab != target_vocab:
-    raise ConfigError(f"{key} has another tokenizer ({len(vocab)} tokens) than {sim_key} "
-                      f"({len(target_vocab)}): a draft needs the simulator's vocabulary")
-  if not len(vocab) <= config.vocab_size <= target.vocab_size:
-    raise ConfigError(f"{key} has {config.vocab_size} vocabulary rows, {sim_key} "
-                      f"{target.vocab_size}: a draft needs at most the simulator's")
-  check_context(config.max_position_embeddings, sim.max_context,
-                f"config.simulator.max_context (the draft {sim.draft_checkpoint!r})")
-  return config
+  simulator's (`checked_draft`)."""
+  return checked_draft(sim.draft_checkpoint, "simulator.draft_checkpoint", sim.checkpoint,
+                       "simulator.checkpoint", simulator_config(sim), sim.max_context,
+                       "simulator.max_context", "simulator")
 
 
 def draft_mesh(sim: SimulatorSpec, train: MeshConfig, train_mesh) -> tuple[object, str]:
@@ -230,6 +240,27 @@ def _load_draft(sim: SimulatorSpec, mesh):
   sampler = Sampler(model, max_len=sim.max_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
                     append_buckets=sim.append_buckets, mesh=mesh, window_step=sim.window_step)
   return sampler, nnx.state(model)
+
+
+def drafted_policy(spec: EvaluationSpec, sampler: Sampler, chat: ChatTokens,
+                   train_mesh) -> tuple[DraftedSampler, str]:
+  """The evaluated policy's `sampler` decoding with config.rollout.policy_draft_checkpoint, loaded
+  in rollout.policy_draft_mesh and the policy's dtypes; and the draft's layout, described."""
+  r, policy = spec.rollout, spec.policy
+  config = checked_draft(r.policy_draft_checkpoint, "rollout.policy_draft_checkpoint",
+                         policy.checkpoint, "policy.checkpoint", sampler.config, policy.max_context,
+                         "policy.max_context", "policy")
+  mesh, text = decode_mesh(r.policy_draft_mesh, "rollout.policy_draft_mesh", config, spec.mesh,
+                           train_mesh, param_dtype_of(policy.param_dtype), "policy draft")
+  path = resolve_checkpoint(r.policy_draft_checkpoint, "rollout.policy_draft_checkpoint")
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    model, _ = load_pretrained(path, dtype=param_dtype_of(policy.compute_dtype), mesh=mesh,
+                               param_dtype=param_dtype_of(policy.param_dtype))
+  # Stop ids and padding are the policy's (the speculative decode applies the target's).
+  draft = Sampler(model, max_len=policy.max_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
+                  append_buckets=policy.append_buckets, mesh=mesh, window_step=policy.window_step)
+  spec_sampler = SpeculativeSampler(sampler, draft, r.policy_draft_tokens)
+  return DraftedSampler(spec_sampler, nnx.state(model, nnx.Param)), text
 
 
 def simulator_backend(sim: SimulatorSpec, mesh, *, seed: int, share_prefix: bool = True,
@@ -311,6 +342,8 @@ def assemble(spec: RunSpec | EvaluationSpec) -> RunParts:
     if spec.simulator.draft_checkpoint:
       layouts["simulator_draft"] = draft_layout
     if not training:
+      if spec.rollout.policy_draft_checkpoint:
+        sampler, layouts["policy_draft"] = drafted_policy(spec, sampler, chat, mesh)
       backend = simulator_backend(spec.simulator, sim_mesh, seed=spec.seed,
                                   draft_mesh=sim_draft_mesh)
       return RunParts(mesh=mesh, layouts=layouts, policy=policy, chat=chat, policy_path=path,

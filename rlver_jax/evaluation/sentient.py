@@ -3,7 +3,8 @@
 `run(config, workdir)` is the whole evaluation behind `python -m rlver_jax.evaluate`. The parts are
 reusable on their own (the trainer's held-out evaluation runs the same dialogues): `run_profiles`
 plays every profile once, `eval_summary` scores the dialogues (with a simulator draft, `run` adds its
-`simulator/draft_acceptance` and `simulator/tokens_per_verify`), `write_outputs` writes
+`simulator/draft_acceptance` and `simulator/tokens_per_verify`; with a policy draft the same under
+`policy/`), `write_outputs` writes
 WORKDIR/{eval_summary.json, transcripts.jsonl, emotion_trajectories.png, config.json}.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from rlver_jax.models.tokenizer import ChatTokens
 from rlver_jax.parallel.process_zero import on_process_zero
 from rlver_jax.run.progress import Progress
 from rlver_jax.run.saved_config import check_inputs_on_every_host
+from rlver_jax.sampling.drafted import DraftedSampler
 from rlver_jax.sampling.sampler import Sampler
 from rlver_jax.run.saved_config import config_json
 from rlver_jax.spec import EvalSpec, EvaluationSpec, SimulatorSpec
@@ -179,8 +181,10 @@ def run(spec: EvaluationSpec, workdir: str) -> tuple[dict, dict[str, str]]:
                            rng=jax.random.key(spec.seed),
                            progress=spec.log.progress_bar and jax.process_index() == 0)
   summary = eval_summary(dialogues)
-  # A simulator draft's acceptance over the whole evaluation (training logs it per step).
+  # A draft's acceptance over the whole evaluation (training logs the simulator's per step).
   summary.update(getattr(parts.backend, "take_draft_metrics", dict)())
+  if isinstance(parts.sampler, DraftedSampler):
+    summary.update({f"policy/{k}": v for k, v in parts.sampler.take_metrics().items()})
   summary.update(policy_checkpoint=parts.policy_path, eval_seconds=time.perf_counter() - t0,
                  config=json.loads(config_json(spec.source)),
                  provenance={**provenance.describe(spec), "layouts": parts.layouts})

@@ -308,4 +308,7 @@ class EvaluationSpec:
   @property
   def checkpoints(self) -> dict[str, str]:
     """Config key -> setting of every checkpoint the evaluation reads."""
-    return _checkpoints(self.policy, self.simulator)
+    out = _checkpoints(self.policy, self.simulator)
+    if self.rollout.policy_draft_checkpoint:
+      out["rollout.policy_draft_checkpoint"] = self.rollout.policy_draft_checkpoint
+    return out

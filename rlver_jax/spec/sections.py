@@ -362,11 +362,25 @@ class RolloutSpec:
 
 @dataclasses.dataclass(frozen=True)
 class EvalRolloutSpec:
-  """config.rollout of an evaluation: the policy's decode layout (it loads straight into it)."""
+  """config.rollout of an evaluation: the policy's decode layout (it loads straight into it), and a
+  draft for its decode."""
   policy_mesh: str = "auto"
+  # Speculative decoding of the frozen policy (sampling/drafted.py), as simulator.draft_checkpoint:
+  # a small model of the policy's vocabulary proposes policy_draft_tokens tokens a verify pass, and
+  # the replies follow the policy's own distribution (greedy: its own tokens). '' = off; else a
+  # checkpoint like policy.checkpoint.
+  policy_draft_checkpoint: str = ""
+  policy_draft_tokens: int = 4
+  policy_draft_mesh: str = "auto"  # the draft's decode layout on the same devices
 
   def __post_init__(self):
     check_layout("rollout.policy_mesh", self.policy_mesh)
+    require("rollout.policy_draft_checkpoint", self.policy_draft_checkpoint,
+            isinstance(self.policy_draft_checkpoint, str),
+            "a string ('' = off; a checkpoint like policy.checkpoint)")
+    require("rollout.policy_draft_tokens", self.policy_draft_tokens,
+            _is_int(self.policy_draft_tokens) and self.policy_draft_tokens >= 1, "an integer >= 1")
+    check_layout("rollout.policy_draft_mesh", self.policy_draft_mesh)
 
 
 @dataclasses.dataclass(frozen=True)

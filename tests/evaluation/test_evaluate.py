@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import tiny_world
+from rlver_jax import build
 from rlver_jax.spec import EvaluationSpec
 from rlver_jax.evaluation import sentient as eval_run
 
@@ -142,6 +143,51 @@ def test_a_simulator_draft_reports_its_acceptance(world, tmp_path):
   assert summary["simulator/draft_acceptance"] == 1.0
   assert summary["simulator/tokens_per_verify"] > 2.0
   assert summary == _read(tmp_path)[0]
+
+
+@pytest.fixture(scope="module")
+def drafted(world, tmp_path_factory):
+  """Two random models over the tiny world's tokenizer, wide enough apart that greedy replies vary:
+  a policy, and a draft of another seed that proposes its tokens only now and then."""
+  import jax.numpy as jnp
+  from rlver_jax.models import create_model, export_pretrained
+  from rlver_jax.models.io.hf import read_config
+  root, cfg = tmp_path_factory.mktemp("drafted"), read_config(world["policy"])
+  out = {}
+  for name, seed in (("policy", 2), ("draft", 1)):
+    out[name] = str(root / name)
+    export_pretrained(create_model(cfg, dtype=jnp.float32, seed=seed, init_std=0.5), cfg,
+                      out[name], tokenizer_dir=world["policy"], overwrite=True)
+  return out
+
+
+def test_a_policy_draft_keeps_the_greedy_replies(world, drafted, tmp_path):
+  """The evaluated policy decoding with a draft (rollout.policy_draft_checkpoint), greedy: the same
+  transcripts as without one, both with a draft that is mostly rejected and with the policy as its
+  own draft (every proposal kept); the summary reports each draft's acceptance."""
+  base = {"policy.checkpoint": drafted["policy"], "policy.temperature": 0.0, "policy.top_p": 1.0,
+          "policy.top_k": 0, "eval.policy_max_new_tokens": 10, "eval.max_turns": 2}
+  runs = {}
+  for name, draft in (("none", ""), ("self", drafted["policy"]), ("other", drafted["draft"])):
+    config = _config(world, **base, **{"rollout.policy_draft_checkpoint": draft,
+                                       "rollout.policy_draft_tokens": 3})
+    runs[name] = eval_run.run(EvaluationSpec.from_config(config), str(tmp_path / name))[0]
+  replies = {n: [t["policy"] for tr in _read(tmp_path / n)[1] for t in tr["turns"]] for n in runs}
+  assert len({w for r in replies["none"] if r for w in r.split()}) > 3   # varied replies
+  assert replies["self"] == replies["none"] == replies["other"]
+  assert "policy/draft_acceptance" not in runs["none"]
+  assert runs["self"]["policy/draft_acceptance"] == 1.0
+  assert runs["self"]["policy/tokens_per_verify"] > 2.0
+  assert runs["other"]["policy/draft_acceptance"] < 0.5
+  assert runs["self"]["score"] == runs["none"]["score"] == runs["other"]["score"]
+
+
+def test_a_policy_draft_of_another_tokenizer_is_refused(world, tmp_path):
+  config = _config(world, **{"rollout.policy_draft_checkpoint": "embedded"})
+  with pytest.raises(build.ConfigError, match="rollout.policy_draft_checkpoint='embedded' has "
+                     "another tokenizer .* a draft needs the policy's vocabulary"):
+    eval_run.run(EvaluationSpec.from_config(config), str(tmp_path))
+  assert not list(tmp_path.iterdir())
 
 
 def _check_transcript(tr: dict, first_talk: str | None, start: int, max_turns: int) -> None:

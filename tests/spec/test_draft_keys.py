@@ -1,7 +1,9 @@
-"""The speculative simulator's keys: declared once, checked with one line naming the key."""
+"""The speculative simulator's and evaluated policy's keys: declared once, checked with one line
+naming the key."""
 import pytest
 
-from rlver_jax.spec import ConfigError, RunSpec, SimulatorSpec, default_tree
+from rlver_jax.spec import ConfigError, EvaluationSpec, RunSpec, SimulatorSpec, default_tree
+from rlver_jax.spec.sections import EvalRolloutSpec
 
 
 def test_off_by_default_and_read_from_a_config():
@@ -24,3 +26,24 @@ def test_off_by_default_and_read_from_a_config():
 def test_bad_values_name_the_key(values, message):
   with pytest.raises(ConfigError, match=message):
     SimulatorSpec(**values)
+
+
+def test_the_evaluated_policys_draft_is_off_by_default_and_an_input():
+  tree = default_tree(EvaluationSpec)
+  r = EvaluationSpec.from_config(tree).rollout
+  assert (r.policy_draft_checkpoint, r.policy_draft_tokens, r.policy_draft_mesh) == ("", 4, "auto")
+  tree["rollout"].update(policy_draft_checkpoint="small/dir", policy_draft_tokens=2)
+  spec = EvaluationSpec.from_config(tree)
+  assert spec.rollout.policy_draft_tokens == 2
+  assert spec.checkpoints["rollout.policy_draft_checkpoint"] == "small/dir"
+
+
+@pytest.mark.parametrize("values,message", [
+    (dict(policy_draft_tokens=0), r"^config\.rollout\.policy_draft_tokens=0: must be an integer >= 1$"),
+    (dict(policy_draft_mesh="big"), r"^config\.rollout\.policy_draft_mesh='big': expected 'auto'"),
+    (dict(policy_draft_checkpoint=None),
+     r"^config\.rollout\.policy_draft_checkpoint=None: must be a string"),
+])
+def test_bad_policy_draft_values_name_the_key(values, message):
+  with pytest.raises(ConfigError, match=message):
+    EvalRolloutSpec(**values)

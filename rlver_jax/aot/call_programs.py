@@ -68,7 +68,8 @@ def decode_call(shape: SamplerShape, window: int, mesh: Mesh):
   default layouts, each step would pay those copies: the whole cache where its default layout is not
   the loop's (the 2-layer test model, head_dim 64, 8k cache, 4 v5p chips: 553 MB -> 12 MB a step),
   and the q projection's and the k and v projections' weights (the 72B on v5p-64, 4x1x8: 287 MB a
-  layer -> 254 MB, for a 219 MB weight shard; the compiled loop copies them once a call)."""
+  layer -> 254 MB, for a 219 MB weight shard; the compiled loop copies them once a call), and an
+  int8 cache's scales (the 72B's int8 step: 276 -> 255 MB a layer at 8k slots)."""
   sampler, params, cache = ap.sampler_inputs(shape.model, shape.rows, shape.max_len, mesh, shape.layout)
   V = ap.model_config(shape.model).vocab_size
   row = lambda dtype: ap.abstract_array((shape.rows,), dtype, ("batch",), mesh)
@@ -119,9 +120,10 @@ def draft_step_call(shape: SamplerShape, window: int, mesh: Mesh):
 
 
 def _auto_layouts(bound: ap.Bound, args, cache, mesh: Mesh):
-  """`bound` as a jit whose weights (`args[0]`) and cache arrays (k, v: matched by shape) have
-  compiler-chosen layouts: one step of a loop that converts them once, before it starts."""
-  big = {cache.k.shape, cache.v.shape}
+  """`bound` as a jit whose weights (`args[0]`) and cache arrays (k, v and an int8 cache's scales:
+  matched by shape) have compiler-chosen layouts: one step of a loop that converts them once,
+  before it starts."""
+  big = {a.shape for a in (cache.k, cache.v, cache.k_scale, cache.v_scale) if a is not None}
   fn = lambda *a: bound.fn(*bound.head, *a, **bound.static)
   auto = lambda x: Format(Layout.AUTO, x.sharding)
   pick = lambda x: auto(x) if x.shape in big else x.sharding

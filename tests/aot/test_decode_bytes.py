@@ -3,6 +3,7 @@ the chip's weight shard (all but the token embedding's table, of which a step re
 cache row) plus the keys and values of the cache slots it attends, on the tiny model (extrapolated
 from 3 and 4 layers) and on the 7B and 72B presets at the paper's rows on v5p-64 (libtpu), and
 there less than 1.25x that."""
+import dataclasses
 import importlib.util
 import runpy
 
@@ -14,6 +15,7 @@ if importlib.util.find_spec("libtpu") is None:
 from flax import nnx  # noqa: E402
 
 import test_aot  # noqa: E402
+from rlver_jax.aot import call_programs as cp  # noqa: E402
 from rlver_jax.aot import programs as ap  # noqa: E402
 from rlver_jax.aot import step_time  # noqa: E402
 from rlver_jax.aot import target as aot_target  # noqa: E402
@@ -82,3 +84,23 @@ def test_the_7b_and_72b_decode_steps_read_their_weight_shards_on_v5p_64():
   # An overcount: a step priced with its weights in their stored layouts pays the relayout that the
   # compiled loop makes once a call (the 72B's q, k and v projections: 1.31x; 1.16x without).
   assert max(ratios.values()) < 1.25, ratios
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
+def test_a_decode_step_costs_its_window_not_its_cache_length(kv_dtype):
+  """The 72B's decode step on v5p-64 (4x1x8) at a 64-slot window, 3 layers, in caches of 4k and 8k
+  slots: the same bytes. Traced with an int8 cache's scales in their stored layout, the step paid
+  a relayout of the whole scale buffers (31 MB more at 8k slots), which the compiled loop does once
+  a call."""
+  config = runpy.run_path(str(test_aot._REPO / "configs" / "grpo_think.py"))["get_config"](None)
+  config.simulator.kv_dtype = kv_dtype
+  spec = aot_target.from_config(config)
+  devices = get_topology("v5p:2x4x4")
+  layouts = run_layouts(spec, devices, None, hbm_per_device(devices))
+  model = step_time.CostModel(spec, layouts)
+  mesh = layouts.for_role("simulator")
+  costs = []
+  for max_len in (4096, 8192):
+    shape = dataclasses.replace(model._shape("simulator", 3), max_len=max_len)
+    costs.append(step_time.compiled_cost(*cp.decode_call(shape, 64, mesh), mesh).bytes)
+  assert costs[0] == costs[1], costs

@@ -53,6 +53,10 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   if algo == "ppo":
     c.rl.group_size = 1              # one dialogue per profile: the critic is the baseline
   c.simulator.style = args.get("simulator", c.simulator.style)
+  # The 72B simulator's decode is bound by reading its weights and its attended cache window:
+  # windows in steps of 256 slots past 256 (not 1024) read 2.0 s less of a grpo_think step on v5p-64
+  # (the step-time model; docs/PERFORMANCE.md) for 5 more compiled programs. :runlocal keeps 1024.
+  c.simulator.window_step = 256
 
   if "reference" in args:
     _reference(c)
@@ -113,6 +117,7 @@ def _runlocal(c: ml_collections.ConfigDict) -> None:
   c.simulator.dtype = "float32"
   c.simulator.max_context = 3072
   c.simulator.max_new_tokens = 40
+  c.simulator.window_step = 1024        # on a CPU a compile costs more than the slots it saves
   c.simulator.max_turns = 2
   c.simulator.max_parse_retries = 0   # a 135M simulator rarely fixes its format on a retry
   c.data.profiles = "demo"

@@ -48,12 +48,16 @@ def layer_skip_draft(source: str, layers: int, out: str) -> str:
     raise SystemExit(f"--draft_layers={layers}: must be in 1..{config['num_hidden_layers'] - 1}")
   config["num_hidden_layers"] = layers
   (dst / "config.json").write_text(json.dumps(config, indent=2))
+  kept_name = lambda k: not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
   for f in src.iterdir():
     if f.suffix == ".safetensors":
-      kept = {k: v for k, v in load_file(f).items()
-              if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+      kept = {k: v for k, v in load_file(f).items() if kept_name(k)}
       save_file(kept, dst / f.name, metadata={"format": "pt"})
-    elif f.name != "config.json" and f.is_file() and not f.name.endswith(".index.json"):
+    elif f.name.endswith(".safetensors.index.json"):  # a sharded checkpoint's map, cut the same way
+      index = json.loads(f.read_text())
+      index["weight_map"] = {k: v for k, v in index["weight_map"].items() if kept_name(k)}
+      (dst / f.name).write_text(json.dumps(index, indent=2))
+    elif f.name != "config.json" and f.is_file():
       shutil.copy(f, dst / f.name)
   return str(dst)
 

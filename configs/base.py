@@ -55,7 +55,7 @@ def get_base_config(algo: str, think: bool, arg: str | None) -> ml_collections.C
   c.simulator.style = args.get("simulator", c.simulator.style)
   # The 72B simulator's decode is bound by reading its weights and its attended cache window:
   # windows in steps of 256 slots past 256 (not 1024) read 2.0 s less of a grpo_think step on v5p-64
-  # (the step-time model; docs/PERFORMANCE.md) for 5 more compiled programs. :runlocal keeps 1024.
+  # (the step-time model; docs/PERFORMANCE.md) for 7 more compiled programs. :runlocal keeps 1024.
   c.simulator.window_step = 256
 
   if "reference" in args:

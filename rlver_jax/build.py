@@ -190,8 +190,9 @@ def simulator_mesh(sim: SimulatorSpec, train: MeshConfig, train_mesh) -> tuple[o
                      param_dtype_of(sim.dtype), "simulator", int8_weights=sim.weight_dtype == "int8")
 
 
-def checked_draft(draft: str, key: str, target: str, target_key: str, target_config: Qwen2Config,
-                  max_context: int, context_key: str, role: str) -> Qwen2Config:
+def checked_draft(draft: str, *, key: str, target: str, target_key: str,
+                  target_config: Qwen2Config, max_context: int, context_key: str,
+                  role: str) -> Qwen2Config:
   """The config of a draft checkpoint (`draft` at config `key`) for the `role` model `target` (at
   `target_key`), checked against it: the same tokenizer (the verify rule compares their
   distributions token by token), at most its embedding rows (Qwen2.5's small models pad to fewer
@@ -215,9 +216,10 @@ def checked_draft(draft: str, key: str, target: str, target_key: str, target_con
 def draft_config(sim: SimulatorSpec) -> Qwen2Config:
   """The simulator's draft model config (config.simulator.draft_checkpoint), checked against the
   simulator's (`checked_draft`)."""
-  return checked_draft(sim.draft_checkpoint, "simulator.draft_checkpoint", sim.checkpoint,
-                       "simulator.checkpoint", simulator_config(sim), sim.max_context,
-                       "simulator.max_context", "simulator")
+  return checked_draft(sim.draft_checkpoint, key="simulator.draft_checkpoint",
+                       target=sim.checkpoint, target_key="simulator.checkpoint",
+                       target_config=simulator_config(sim), max_context=sim.max_context,
+                       context_key="simulator.max_context", role="simulator")
 
 
 def draft_mesh(sim: SimulatorSpec, train: MeshConfig, train_mesh) -> tuple[object, str]:
@@ -247,9 +249,10 @@ def drafted_policy(spec: EvaluationSpec, sampler: Sampler, chat: ChatTokens,
   """The evaluated policy's `sampler` decoding with config.rollout.policy_draft_checkpoint, loaded
   in rollout.policy_draft_mesh and the policy's dtypes; and the draft's layout, described."""
   r, policy = spec.rollout, spec.policy
-  config = checked_draft(r.policy_draft_checkpoint, "rollout.policy_draft_checkpoint",
-                         policy.checkpoint, "policy.checkpoint", sampler.config, policy.max_context,
-                         "policy.max_context", "policy")
+  config = checked_draft(r.policy_draft_checkpoint, key="rollout.policy_draft_checkpoint",
+                         target=policy.checkpoint, target_key="policy.checkpoint",
+                         target_config=sampler.config, max_context=policy.max_context,
+                         context_key="policy.max_context", role="policy")
   mesh, text = decode_mesh(r.policy_draft_mesh, "rollout.policy_draft_mesh", config, spec.mesh,
                            train_mesh, param_dtype_of(policy.param_dtype), "policy draft")
   path = resolve_checkpoint(r.policy_draft_checkpoint, "rollout.policy_draft_checkpoint")
@@ -302,12 +305,13 @@ class RunParts:
   simulator backend; for training also the policy's decode copy, the critic and the updaters (the
   run's state, parameters and optimizer states, stays the Trainer's)."""
   mesh: jax.sharding.Mesh | None  # the training layout's
-  # "train", "policy_rollout", "simulator" (and "simulator_draft") -> description (provenance.json)
+  # "train", "policy_rollout", "simulator" (and "simulator_draft", an evaluation's "policy_draft")
+  # -> description (provenance.json)
   layouts: dict[str, str]
   policy: Qwen2
   chat: ChatTokens
   policy_path: str  # the checkpoint directory it loaded from
-  sampler: Sampler  # the policy's, in its rollout layout
+  sampler: Sampler | DraftedSampler  # the policy's, in its rollout layout (an evaluation's: drafted)
   backend: object  # the simulated user's text generator (env.backends)
   decode_copy: DecodeCopy | None = None  # training: the policy in its rollout layout, refreshed
   policy_up: Updater | None = None       # training

@@ -62,14 +62,9 @@ def append_call(shape: SamplerShape, tokens: int, window: int, mesh: Mesh):
 def decode_call(shape: SamplerShape, window: int, mesh: Mesh):
   """`Sampler.decode` at `window`: its loop body (one token per row) is what XLA's cost counts once.
 
-  The weights and the cache's k and v take the layouts the compiler picks (`Layout.AUTO`): XLA:TPU
-  converts a decode loop's loop-invariant weights and its cache to the layouts the loop body wants
-  once, before the loop, so a step pays no conversion. Traced as one step with the arguments'
-  default layouts, each step would pay those copies: the whole cache where its default layout is not
-  the loop's (the 2-layer test model, head_dim 64, 8k cache, 4 v5p chips: 553 MB -> 12 MB a step),
-  and the q projection's and the k and v projections' weights (the 72B on v5p-64, 4x1x8: 287 MB a
-  layer -> 254 MB, for a 219 MB weight shard; the compiled loop copies them once a call), and an
-  int8 cache's scales (the 72B's int8 step: 276 -> 255 MB a layer at 8k slots)."""
+  The weights and the cache take the layouts the compiler picks (`_auto_layouts`): the compiled
+  loop converts them once, before it starts, so a step pays no conversion. In their stored layouts
+  each traced step would pay it (the 72B on v5p-64: 287 MB a layer against a 219 MB shard)."""
   sampler, params, cache = ap.sampler_inputs(shape.model, shape.rows, shape.max_len, mesh, shape.layout)
   V = ap.model_config(shape.model).vocab_size
   row = lambda dtype: ap.abstract_array((shape.rows,), dtype, ("batch",), mesh)
@@ -98,7 +93,7 @@ def _draft_step_fn(graphdef, params, cache, inp_Bx2, num_B, key, sampling, *, wi
 
 def verify_call(shape: SamplerShape, draft_tokens: int, window: int, mesh: Mesh):
   """One verify pass of `draft_tokens` + 1 positions a row at `window` (the simulator's side of a
-  draft-and-verify decode), cache in the compiler's layout as in `decode_call`."""
+  draft-and-verify decode), weights and cache in the compiler's layouts as in `decode_call`."""
   sampler, params, cache = ap.sampler_inputs(shape.model, shape.rows, shape.max_len, mesh, shape.layout)
   V, B, k = ap.model_config(shape.model).vocab_size, shape.rows, draft_tokens
   args = (params, cache, ap.abstract_array((B, k + 1), jnp.int32, ("batch", "seq"), mesh),

@@ -198,9 +198,10 @@ def compiled_cost(fn, args, mesh: Mesh, between_meshes: bool = False,
 
 
 def _depths(layers: int) -> tuple[int, ...]:
-  """Layer counts to compile at: 3 and 4, or the real one. Fewer layers compile differently: the
-  72B simulator's decode step on v5p-64 (4x1x8) costs 1,243 / 1,363 / 1,617 / 1,871 MB a device at
-  2 / 3 / 4 / 5 layers, so 2 -> 3 gives 120 MB a layer for 219 MB of weights, later steps 254 MB."""
+  """Layer counts to compile at: 3 and 4, or the real one. Fewer layers have compiled differently:
+  with on-chip prefetches counted, the 72B simulator's decode step on v5p-64 (4x1x8) gave 25 MB
+  from 2 to 3 layers and 288 MB from 3 to 4 for 219 MB of weights a layer; without them (now) it
+  costs 1,033 / 1,268 / 1,503 / 1,738 MB a device at 2 / 3 / 4 / 5 layers, 235 MB a layer."""
   return (layers,) if layers <= 4 else (3, 4)
 
 

@@ -107,11 +107,8 @@ class ModelBackend(HistoryBackend):
     self.answers = [(0, 0)] * num_rows
 
   def _padded_rows(self, lent: int) -> int:
-    """Cache rows that both models' meshes shard fully (the draft's may split rows differently)."""
-    rows = self.sampler.padded_rows(lent)
-    while self.spec is not None and self.spec.draft.padded_rows(rows) != rows:
-      rows = self.sampler.padded_rows(self.spec.draft.padded_rows(rows))
-    return rows
+    """Cache rows that the simulator's mesh (and its draft's) shard fully."""
+    return (self.spec or self.sampler).padded_rows(lent)
 
   def _set_lengths(self, lengths: np.ndarray) -> None:
     """Rewinds (or resets) every cache row to `lengths`, the draft's too."""

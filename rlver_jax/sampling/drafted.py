@@ -43,26 +43,15 @@ class DraftedSampler:
 
   def __init__(self, spec: SpeculativeSampler, draft_params):
     self.spec, self.draft_params = spec, draft_params
-    self.target = spec.target
     self.config = spec.target.config
     self.max_len = min(spec.target.max_len, spec.draft.max_len)
-    self.calls = spec.target.calls
-    self._counts = np.zeros(3, np.float64)  # proposed, accepted, target passes
-    self._tokens = 0.0
+    self._counts = np.zeros(4, np.float64)  # proposed, accepted, target passes, tokens
 
   def padded_rows(self, rows: int) -> int:
-    """Rows that both models' meshes shard fully (the draft's may split rows differently)."""
-    t, d = self.spec.target, self.spec.draft
-    rows = t.padded_rows(rows)
-    while d.padded_rows(rows) != rows:
-      rows = t.padded_rows(d.padded_rows(rows))
-    return rows
+    return self.spec.padded_rows(rows)
 
   def init_cache(self, batch: int) -> CachePair:
     return CachePair(*self.spec.init_caches(batch))
-
-  def empty_logits(self, batch: int):
-    return self.spec.target.empty_logits(batch)
 
   def prefill(self, params, cache: CachePair, rows: Sequence[Sequence[int]]):
     pair, logits = self.spec.prefill(params, self.draft_params, (cache.target, cache.draft), rows)
@@ -80,16 +69,13 @@ class DraftedSampler:
   def decode(self, params, cache: CachePair, logits, **kw) -> DecodeResult:
     """`Sampler.decode` (same keywords) with the draft proposing; the result's cache is the pair."""
     r = self.spec.decode(params, self.draft_params, (cache.target, cache.draft), logits, **kw)
-    self._counts += [r.proposed.sum(), r.accepted.sum(), r.passes.sum()]
-    self._tokens += float(r.decode.num_tokens.sum())
+    self._counts += [r.proposed.sum(), r.accepted.sum(), r.passes.sum(), r.decode.num_tokens.sum()]
     return dataclasses.replace(r.decode, cache=CachePair(r.decode.cache, r.draft_cache))
 
   def take_metrics(self) -> dict[str, float]:
     """`draft_acceptance` (kept / proposed draft tokens) and `tokens_per_verify` (generated tokens
     / target passes) since the last take, then zeroed."""
-    proposed, accepted, passes = self._counts
-    out = {"draft_acceptance": accepted / max(proposed, 1.0),
-           "tokens_per_verify": self._tokens / max(passes, 1.0)}
+    proposed, accepted, passes, tokens = self._counts
     self._counts[:] = 0
-    self._tokens = 0.0
-    return out
+    return {"draft_acceptance": accepted / max(proposed, 1.0),
+            "tokens_per_verify": tokens / max(passes, 1.0)}

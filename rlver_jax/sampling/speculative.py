@@ -271,6 +271,13 @@ class SpeculativeSampler:
   def init_caches(self, batch: int) -> tuple[KVCache, KVCache]:
     return self.target.init_cache(batch), self.draft.init_cache(batch)
 
+  def padded_rows(self, rows: int) -> int:
+    """Cache rows that both models' meshes shard fully (the draft's may split rows differently)."""
+    rows = self.target.padded_rows(rows)
+    while self.draft.padded_rows(rows) != rows:
+      rows = self.target.padded_rows(self.draft.padded_rows(rows))
+    return rows
+
   def prefill(self, params, draft_params, caches, rows: Sequence[Sequence[int]]):
     """Both caches emptied and filled with `rows`. Returns ((cache, draft_cache), target logits)."""
     cache, logits = self.target.prefill(params, caches[0], rows)

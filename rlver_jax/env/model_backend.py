@@ -31,7 +31,7 @@ from rlver_jax.env.expected_change import ChangeScorer
 from rlver_jax.env.scheduler import RowSlots, dialogue_keys
 from rlver_jax.models.tokenizer import ChatTokens
 from rlver_jax.sampling.sampler import Sampler
-from rlver_jax.sampling.speculative import SpeculativeSampler
+from rlver_jax.sampling.speculative import DraftCounts, SpeculativeSampler
 from rlver_jax.sampling.strategies import SamplingParams
 from rlver_jax.parallel.sharding import host_array
 
@@ -73,7 +73,7 @@ class ModelBackend(HistoryBackend):
     self.spec = None if draft is None else SpeculativeSampler(sampler, draft, draft_tokens)
     self.draft_params = draft_params
     self.draft_cache = None
-    self._draft_counts = np.zeros(4, np.int64)  # proposed, accepted, target passes, tokens
+    self._draft_counts = DraftCounts()
     self.closed: list[bool] = []  # per row: whether the last generated turn ended with <|im_end|>
     self.tokens: list[list[int]] = []  # per row: every token id in its cache, in order
     self.full: list[bool] = []  # per row: a request did not fit; the row answers "" from then on
@@ -138,8 +138,7 @@ class ModelBackend(HistoryBackend):
     out = self.spec.decode(self.params, self.draft_params, (self.cache, self.draft_cache),
                            self.logits, **kw)
     self.draft_cache = out.draft_cache
-    self._draft_counts += [out.proposed.sum(), out.accepted.sum(), out.passes.sum(),
-                           out.decode.num_tokens.sum()]
+    self._draft_counts.add(out)
     return out.decode
 
   def take_draft_metrics(self) -> dict[str, float]:
@@ -147,10 +146,7 @@ class ModelBackend(HistoryBackend):
     (generated tokens / target passes) since the last take, then zeroed; {} without a draft."""
     if self.spec is None:
       return {}
-    proposed, accepted, passes, tokens = (float(x) for x in self._draft_counts)
-    self._draft_counts[:] = 0
-    return {"simulator/draft_acceptance": accepted / max(proposed, 1.0),
-            "simulator/tokens_per_verify": tokens / max(passes, 1.0)}
+    return {f"simulator/{k}": v for k, v in self._draft_counts.take().items()}
 
   def is_full(self, row: int) -> bool:
     return self.full[row]

@@ -184,7 +184,7 @@ def run(spec: EvaluationSpec, workdir: str) -> tuple[dict, dict[str, str]]:
   # A draft's acceptance over the whole evaluation (training logs the simulator's per step).
   summary.update(getattr(parts.backend, "take_draft_metrics", dict)())
   if isinstance(parts.sampler, DraftedSampler):
-    summary.update({f"policy/{k}": v for k, v in parts.sampler.take_metrics().items()})
+    summary.update({f"policy/{k}": v for k, v in parts.sampler.counts.take().items()})
   summary.update(policy_checkpoint=parts.policy_path, eval_seconds=time.perf_counter() - t0,
                  config=json.loads(config_json(spec.source)),
                  provenance={**provenance.describe(spec), "layouts": parts.layouts})

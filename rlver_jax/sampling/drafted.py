@@ -5,19 +5,17 @@ The rollout (`env.rollout`) drives a policy through `Sampler`'s face: `init_cach
 `lengths` and `with_lengths`. `DraftedSampler` gives that face to a `SpeculativeSampler` whose draft
 weights are fixed, so a rollout of a frozen policy (an evaluation) decodes with a draft unchanged:
 its cache is a `CachePair` (the target's and the draft's, always holding the same tokens) and
-`take_metrics` reports the draft's acceptance since the last take. The tokens are the plain
-decode's distribution (greedy: the same tokens), as `sampling.speculative` guarantees.
+`counts` sums the draft's acceptance until taken. The tokens follow the plain decode's
+distribution (greedy: the same tokens), as `sampling.speculative` guarantees.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Sequence
 
-import numpy as np
-
 from rlver_jax.sampling.kv_cache import KVCache
 from rlver_jax.sampling.sampler import DecodeResult
-from rlver_jax.sampling.speculative import SpeculativeSampler
+from rlver_jax.sampling.speculative import DraftCounts, SpeculativeSampler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +43,7 @@ class DraftedSampler:
     self.spec, self.draft_params = spec, draft_params
     self.config = spec.target.config
     self.max_len = min(spec.target.max_len, spec.draft.max_len)
-    self._counts = np.zeros(4, np.float64)  # proposed, accepted, target passes, tokens
+    self.counts = DraftCounts()
 
   def padded_rows(self, rows: int) -> int:
     return self.spec.padded_rows(rows)
@@ -69,13 +67,5 @@ class DraftedSampler:
   def decode(self, params, cache: CachePair, logits, **kw) -> DecodeResult:
     """`Sampler.decode` (same keywords) with the draft proposing; the result's cache is the pair."""
     r = self.spec.decode(params, self.draft_params, (cache.target, cache.draft), logits, **kw)
-    self._counts += [r.proposed.sum(), r.accepted.sum(), r.passes.sum(), r.decode.num_tokens.sum()]
+    self.counts.add(r)
     return dataclasses.replace(r.decode, cache=CachePair(r.decode.cache, r.draft_cache))
-
-  def take_metrics(self) -> dict[str, float]:
-    """`draft_acceptance` (kept / proposed draft tokens) and `tokens_per_verify` (generated tokens
-    / target passes) since the last take, then zeroed."""
-    proposed, accepted, passes, tokens = self._counts
-    self._counts[:] = 0
-    return {"draft_acceptance": accepted / max(proposed, 1.0),
-            "tokens_per_verify": tokens / max(passes, 1.0)}

@@ -248,9 +248,27 @@ class SpeculativeResult:
   passes: np.ndarray    # [B] target forward passes (verify passes + the closing write)
 
   def metrics(self) -> dict[str, float]:
-    generated = float(self.decode.num_tokens.sum())
-    return {"draft_acceptance": float(self.accepted.sum()) / max(float(self.proposed.sum()), 1.0),
-            "tokens_per_verify": generated / max(float(self.passes.sum()), 1.0)}
+    counts = DraftCounts()
+    counts.add(self)
+    return counts.take()
+
+
+class DraftCounts:
+  """Draft tokens proposed and kept, target passes and generated tokens, summed over decodes until
+  `take` turns them into `draft_acceptance` (kept / proposed) and `tokens_per_verify` (tokens /
+  passes, per row) and starts again."""
+
+  def __init__(self):
+    self._n = np.zeros(4, np.float64)
+
+  def add(self, r: SpeculativeResult) -> None:
+    self._n += [r.proposed.sum(), r.accepted.sum(), r.passes.sum(), r.decode.num_tokens.sum()]
+
+  def take(self) -> dict[str, float]:
+    proposed, accepted, passes, tokens = self._n
+    self._n = np.zeros(4, np.float64)
+    return {"draft_acceptance": accepted / max(proposed, 1.0),
+            "tokens_per_verify": tokens / max(passes, 1.0)}
 
 
 class SpeculativeSampler:

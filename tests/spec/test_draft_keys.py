@@ -16,18 +16,6 @@ def test_off_by_default_and_read_from_a_config():
   assert spec.checkpoints["simulator.draft_checkpoint"] == "some/dir"
 
 
-@pytest.mark.parametrize("values,message", [
-    (dict(draft_tokens=0), r"^config\.simulator\.draft_tokens=0: must be an integer >= 1$"),
-    (dict(draft_mesh="big"), r"^config\.simulator\.draft_mesh='big': expected 'auto'"),
-    (dict(draft_checkpoint=1), r"^config\.simulator\.draft_checkpoint=1: must be a string"),
-    (dict(draft_checkpoint="d", backend="scripted"),
-     r"^config\.simulator\.draft_checkpoint='d': must be '' with simulator\.backend='scripted'"),
-])
-def test_bad_values_name_the_key(values, message):
-  with pytest.raises(ConfigError, match=message):
-    SimulatorSpec(**values)
-
-
 def test_the_evaluated_policys_draft_is_off_by_default_and_an_input():
   tree = default_tree(EvaluationSpec)
   r = EvaluationSpec.from_config(tree).rollout
@@ -38,12 +26,21 @@ def test_the_evaluated_policys_draft_is_off_by_default_and_an_input():
   assert spec.checkpoints["rollout.policy_draft_checkpoint"] == "small/dir"
 
 
-@pytest.mark.parametrize("values,message", [
-    (dict(policy_draft_tokens=0), r"^config\.rollout\.policy_draft_tokens=0: must be an integer >= 1$"),
-    (dict(policy_draft_mesh="big"), r"^config\.rollout\.policy_draft_mesh='big': expected 'auto'"),
-    (dict(policy_draft_checkpoint=None),
+@pytest.mark.parametrize("section,values,message", [
+    (SimulatorSpec, dict(draft_tokens=0),
+     r"^config\.simulator\.draft_tokens=0: must be an integer >= 1$"),
+    (SimulatorSpec, dict(draft_mesh="big"), r"^config\.simulator\.draft_mesh='big': expected 'auto'"),
+    (SimulatorSpec, dict(draft_checkpoint=1),
+     r"^config\.simulator\.draft_checkpoint=1: must be a string"),
+    (SimulatorSpec, dict(draft_checkpoint="d", backend="scripted"),
+     r"^config\.simulator\.draft_checkpoint='d': must be '' with simulator\.backend='scripted'"),
+    (EvalRolloutSpec, dict(policy_draft_tokens=0),
+     r"^config\.rollout\.policy_draft_tokens=0: must be an integer >= 1$"),
+    (EvalRolloutSpec, dict(policy_draft_mesh="big"),
+     r"^config\.rollout\.policy_draft_mesh='big': expected 'auto'"),
+    (EvalRolloutSpec, dict(policy_draft_checkpoint=None),
      r"^config\.rollout\.policy_draft_checkpoint=None: must be a string"),
 ])
-def test_bad_policy_draft_values_name_the_key(values, message):
+def test_bad_values_name_the_key(section, values, message):
   with pytest.raises(ConfigError, match=message):
-    EvalRolloutSpec(**values)
+    section(**values)

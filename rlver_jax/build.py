@@ -231,17 +231,17 @@ def draft_mesh(sim: SimulatorSpec, train: MeshConfig, train_mesh) -> tuple[objec
                      param_dtype_of(sim.dtype), "simulator draft")
 
 
-def _load_draft(sim: SimulatorSpec, mesh):
-  """(the draft's sampler, its params) in `mesh`, the simulator's dtype and cache length."""
-  path = resolve_checkpoint(sim.draft_checkpoint, "simulator.draft_checkpoint")
-  draft_config(sim)  # checked before the weights load
+def _draft_sampler(checkpoint: str, key: str, mesh, chat: ChatTokens, *, dtype, param_dtype=None,
+                   max_len: int, append_buckets, window_step: int) -> tuple[Sampler, object]:
+  """(a draft's sampler, its params): the checkpoint at config `key`, already checked
+  (`checked_draft`), loaded in `mesh`, with its target's cache shapes; stop ids and padding are the
+  target's `chat` (the speculative decode applies the target's)."""
+  path = resolve_checkpoint(checkpoint, key)
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    model, _ = load_pretrained(path, dtype=param_dtype_of(sim.dtype), mesh=mesh)
-  chat = ChatTokens(load_tokenizer(path))
-  # Stop ids and padding are the simulator's (the speculative decode applies the target's).
-  sampler = Sampler(model, max_len=sim.max_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
-                    append_buckets=sim.append_buckets, mesh=mesh, window_step=sim.window_step)
-  return sampler, nnx.state(model)
+    model, _ = load_pretrained(path, dtype=dtype, mesh=mesh, param_dtype=param_dtype)
+  sampler = Sampler(model, max_len=max_len, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
+                    append_buckets=append_buckets, mesh=mesh, window_step=window_step)
+  return sampler, nnx.state(model, nnx.Param)
 
 
 def drafted_policy(spec: EvaluationSpec, sampler: Sampler, chat: ChatTokens,
@@ -255,15 +255,12 @@ def drafted_policy(spec: EvaluationSpec, sampler: Sampler, chat: ChatTokens,
                          context_key="policy.max_context", role="policy")
   mesh, text = decode_mesh(r.policy_draft_mesh, "rollout.policy_draft_mesh", config, spec.mesh,
                            train_mesh, param_dtype_of(policy.param_dtype), "policy draft")
-  path = resolve_checkpoint(r.policy_draft_checkpoint, "rollout.policy_draft_checkpoint")
-  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    model, _ = load_pretrained(path, dtype=param_dtype_of(policy.compute_dtype), mesh=mesh,
-                               param_dtype=param_dtype_of(policy.param_dtype))
-  # Stop ids and padding are the policy's (the speculative decode applies the target's).
-  draft = Sampler(model, max_len=policy.max_context, stop_ids=chat.stop_ids, pad_id=chat.pad_id,
-                  append_buckets=policy.append_buckets, mesh=mesh, window_step=policy.window_step)
-  spec_sampler = SpeculativeSampler(sampler, draft, r.policy_draft_tokens)
-  return DraftedSampler(spec_sampler, nnx.state(model, nnx.Param)), text
+  draft, params = _draft_sampler(
+      r.policy_draft_checkpoint, "rollout.policy_draft_checkpoint", mesh, chat,
+      dtype=param_dtype_of(policy.compute_dtype), param_dtype=param_dtype_of(policy.param_dtype),
+      max_len=policy.max_context, append_buckets=policy.append_buckets,
+      window_step=policy.window_step)
+  return DraftedSampler(SpeculativeSampler(sampler, draft, r.policy_draft_tokens), params), text
 
 
 def simulator_backend(sim: SimulatorSpec, mesh, *, seed: int, share_prefix: bool = True,
@@ -291,7 +288,13 @@ def simulator_backend(sim: SimulatorSpec, mesh, *, seed: int, share_prefix: bool
                     append_buckets=sim.append_buckets, mesh=mesh,
                     decode_segment=sim.decode_segment, window_step=sim.window_step,
                     cache_dtype=jnp.int8 if sim.kv_dtype == "int8" else None)
-  draft, draft_params = _load_draft(sim, draft_mesh) if sim.draft_checkpoint else (None, None)
+  draft, draft_params = None, None
+  if sim.draft_checkpoint:
+    draft_config(sim)  # checked before the weights load
+    draft, draft_params = _draft_sampler(
+        sim.draft_checkpoint, "simulator.draft_checkpoint", draft_mesh, chat,
+        dtype=param_dtype_of(sim.dtype), max_len=sim.max_context,
+        append_buckets=sim.append_buckets, window_step=sim.window_step)
   return ModelBackend(sampler, nnx.state(model), chat, max_new_tokens=sim.max_new_tokens,
                       sampling=SamplingParams.make(sim.temperature, sim.top_p, sim.top_k),
                       seed=seed + 1, share_prefix=share_prefix, stop_at_lines=sim.stop_at_lines,

@@ -48,12 +48,12 @@ def _least_bytes(spec, layouts, role: str, window: int, rows: int) -> float:
   return weights + per_device_bytes(cache) * window / max_len
 
 
-def _check_decode_bytes(spec, topology: str) -> dict[str, float]:
+def _check_decode_bytes(spec, topology: str, roles=("policy", "simulator")) -> dict[str, float]:
   devices = get_topology(topology)
   layouts = run_layouts(spec, devices, None, hbm_per_device(devices))
   model = step_time.CostModel(spec, layouts)
   ratios = {}
-  for role in ("policy", "simulator"):
+  for role in roles:
     section = spec.policy if role == "policy" else spec.simulator
     for w in window_buckets(section.max_context):
       priced = model.sampler_call(role, "decode", None, w).bytes
@@ -74,8 +74,8 @@ def test_the_tiny_models_decode_reads_its_weight_shard_and_cache(monkeypatch):
 
 
 def test_the_7b_and_72b_decode_steps_read_their_weight_shards_on_v5p_64():
-  """The paper's grpo_think (128 rows; the 7B policy 8x1x4, the 72B simulator 4x1x8) with 64-slot
-  caches, so each step compiles at one window: before a layer was held to its floor, the 7B's
+  """The paper's grpo_think (128 rows; the 7B policy 8x1x4, the 72B simulator 4x1x8, in bf16 and
+  with int8 weights) with 64-slot caches, so each step compiles at one window: before a layer was held to its floor, the 7B's
   step priced 3.25 GB a chip against a 3.54 GB weight shard."""
   config = runpy.run_path(str(test_aot._REPO / "configs" / "grpo_think.py"))["get_config"](None)
   config.policy.max_context = config.simulator.max_context = 64
@@ -85,6 +85,11 @@ def test_the_7b_and_72b_decode_steps_read_their_weight_shards_on_v5p_64():
   # compiled loop makes once a call (the 72B's q, k and v projections: 1.31x), or its on-chip
   # prefetches three times over (1.16x); without both 1.08x (the 7B 1.10x).
   assert max(ratios.values()) < 1.25, ratios
+  # int8 weights (a byte each, a scale per output channel): counted with its prefetches, the step
+  # priced ~156 MB a layer against a ~110 MB shard; now 1.18x, 2 MB a layer over bf16's excess.
+  config.simulator.weight_dtype = "int8"
+  int8 = _check_decode_bytes(aot_target.from_config(config), "v5p:2x4x4", roles=("simulator",))
+  assert int8["simulator/W64"] < 1.25, int8
 
 
 def test_an_int8_decode_step_costs_its_window_not_its_cache_length():

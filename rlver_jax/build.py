@@ -278,7 +278,9 @@ def simulator_backend(sim: SimulatorSpec, mesh, *, seed: int, share_prefix: bool
         timeout_s=sim.http_timeout_s, deadline_s=sim.http_deadline_s,
         max_attempts=sim.http_max_attempts, max_concurrency=sim.http_max_concurrency)
   path = resolve_checkpoint(sim.checkpoint, "simulator.checkpoint")
-  simulator_config(sim)  # checked before the weights load
+  simulator_config(sim)  # checked, and its draft's, before any weights load
+  if sim.draft_checkpoint:
+    draft_config(sim)
   # Born sharded on its own mesh, where it stays: loading and decoding run under it.
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     model, _ = load_pretrained(path, dtype=param_dtype_of(sim.dtype), mesh=mesh,
@@ -290,7 +292,6 @@ def simulator_backend(sim: SimulatorSpec, mesh, *, seed: int, share_prefix: bool
                     cache_dtype=jnp.int8 if sim.kv_dtype == "int8" else None)
   draft, draft_params = None, None
   if sim.draft_checkpoint:
-    draft_config(sim)  # checked before the weights load
     draft, draft_params = _draft_sampler(
         sim.draft_checkpoint, "simulator.draft_checkpoint", draft_mesh, chat,
         dtype=param_dtype_of(sim.dtype), max_len=sim.max_context,

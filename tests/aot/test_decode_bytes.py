@@ -75,8 +75,8 @@ def test_the_tiny_models_decode_reads_its_weight_shard_and_cache(monkeypatch):
 
 def test_the_7b_and_72b_decode_steps_read_their_weight_shards_on_v5p_64():
   """The paper's grpo_think (128 rows; the 7B policy 8x1x4, the 72B simulator 4x1x8, in bf16 and
-  with int8 weights) with 64-slot caches, so each step compiles at one window: before a layer was held to its floor, the 7B's
-  step priced 3.25 GB a chip against a 3.54 GB weight shard."""
+  with int8 weights) with 64-slot caches, so each step compiles at one window: before a layer was
+  held to its floor, the 7B's step priced 3.25 GB a chip against a 3.54 GB weight shard."""
   config = runpy.run_path(str(test_aot._REPO / "configs" / "grpo_think.py"))["get_config"](None)
   config.policy.max_context = config.simulator.max_context = 64
   ratios = _check_decode_bytes(aot_target.from_config(config), "v5p:2x4x4")
